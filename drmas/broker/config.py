@@ -1,0 +1,42 @@
+"""Broker and advantage settings. Plain dataclasses: importing this loads no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+AdvantageMode = Literal["global", "agent", "agent_mean", "agent_std", "step_global"]
+
+
+@dataclass
+class AdvantageConfig:
+    """How step scores become advantages (DESIGN.md §1)."""
+
+    mode: str = "agent"
+    """global = vanilla GRPO; agent = Dr. MAS (default); agent_mean/agent_std = ablations."""
+    norm_by_std: bool = True
+    """False: x - mean only (Dr. GRPO style)."""
+    eps: float = 1e-6
+    """Added to the standard deviation."""
+    std: str = "unbiased"
+    """unbiased (n-1, reference code) or population (n, paper)."""
+    scope: str = "group"
+    """group: statistics per prompt group; batch: pooled over the model's training batch."""
+
+
+@dataclass
+class BrokerConfig:
+    """The coordinator: task source, leases, buffers, batches, versions."""
+
+    address: str = "tcp://127.0.0.1:0"
+    """ROUTER endpoint. Port 0 picks a free port (drmas train only). Default bind is loopback."""
+    lease_timeout_s: float = 600.0
+    """A lease not returned after this long goes back to the queue."""
+    heartbeat_interval_s: float = 1.0
+    """How often clients send a Heartbeat."""
+    heartbeat_timeout_s: float = 15.0
+    """A client silent this long is dead: its leases are re-issued."""
+    max_message_bytes: int = 256 * 1024 * 1024
+    """Frames larger than this are dropped by ZeroMQ before decoding."""
+    record_path: str = ""
+    """If set, every accepted group is appended here (msgpack) for replay."""

@@ -1,0 +1,249 @@
+"""The run's root config: one typed schema composed from each component's own.
+
+Hydra composes `configs/config.yaml` (experiment, model, engine, deploy groups) over this
+schema; `load_config` converts it once to plain dataclasses and checks cross-field rules.
+Each process then reads only its own slice. No torch import here (`drmas --help` is fast).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, get_args
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from drmas.actors.config import ActorConfig, EngineName, SamplingConfig, WorkflowConfig
+from drmas.broker.config import AdvantageConfig, AdvantageMode, BrokerConfig
+from drmas.learners.config import ISCorrection, LearnerConfig, LossAgg, LossConfig
+from drmas.models.config import ModelConfig
+from drmas.tasks.config import TaskConfig
+from drmas.transports.config import WeightSyncConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message says which field and what to do."""
+
+
+@dataclass
+class AgentConfig:
+    """One agent of the team: a role in the workflow bound to a trainable model."""
+
+    model: str = ""
+    """Name of the model in `models` this agent's calls use (agents may share one)."""
+    lr: Optional[float] = None
+    """Learning rate for this agent's model (only when no other agent shares it)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL algorithm: advantages (broker), loss (learner), staleness."""
+
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    max_staleness: int = 1
+    """η: a step generated at version v_b may train version v_l only if v_l - v_b <= η."""
+    invalid_action_penalty: float = 0.1
+    """Subtracted from the team reward for a step whose action did not parse."""
+
+
+@dataclass
+class ValConfig:
+    """Held-out evaluation run by the actors on leases marked is_eval."""
+
+    every: int = 10
+    """Evaluate every this many steps (0 = never); also at the end."""
+    num_tasks: int = 32
+    """Held-out tasks per evaluation."""
+    n: int = 4
+    """Samples per task."""
+    k: int = 4
+    """k of avg@k and pass@k (pass@k uses the unbiased estimator over n >= k samples)."""
+    temperature: float = 0.6
+    """Validation sampling temperature."""
+    top_p: float = 0.95
+    """Validation nucleus mass."""
+
+
+@dataclass
+class TrainLoopConfig:
+    """How long to train."""
+
+    steps: int = 30
+    """Optimizer steps per model."""
+    progress: bool = True
+    """Live progress display (drmas train)."""
+
+
+@dataclass
+class RunConfig:
+    """Where the run lives."""
+
+    dir: str = ""
+    """Run folder (config.yaml, metrics.jsonl, logs/, models/); empty = runs/<time>."""
+    seed: int = 0
+    """Global seed."""
+    cache_dir: str = ""
+    """Builtin model cache; empty = $DRMAS_CACHE or ~/.cache/drmas."""
+
+
+@dataclass
+class DrmasConfig:
+    """Everything one deployment needs; every role reads its slice of it."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    group_size: int = 8
+    """G: episodes per task (one group)."""
+    batch_groups: int = 8
+    """B: groups per training batch of each model."""
+    models: dict[str, ModelConfig] = field(default_factory=dict)
+    """Trainable policies by name."""
+    agents: dict[str, AgentConfig] = field(default_factory=dict)
+    """The team: agent name -> binding. Names must match the workflow's agents."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    val: ValConfig = field(default_factory=ValConfig)
+
+    def __post_init__(self) -> None:
+        check(self)
+
+    def model_of(self, agent: str) -> str:
+        return self.agents[agent].model
+
+    def agents_of(self, model: str) -> list[str]:
+        return [name for name, a in self.agents.items() if a.model == model]
+
+    def world_size_of(self, model: str) -> int:
+        return self.models[model].world_size or self.learner.world_size
+
+    def lr_of(self, model: str) -> float:
+        lrs = {a.lr for a in self.agents.values() if a.model == model and a.lr is not None}
+        return lrs.pop() if lrs else self.models[model].lr
+
+
+WORKFLOW_AGENTS = {"math": ("solver", "verifier")}
+
+
+def check(cfg: DrmasConfig) -> None:
+    """Cross-field rules; drops models no agent uses. Raises ConfigError saying what to fix."""
+    if not cfg.agents:
+        raise ConfigError("no agents configured: pick an experiment, e.g. experiment=tiny_math")
+    if cfg.workflow.name not in WORKFLOW_AGENTS:
+        raise ConfigError(f"workflow.name={cfg.workflow.name!r} is not one of {list(WORKFLOW_AGENTS)}")
+    expected = set(WORKFLOW_AGENTS[cfg.workflow.name])
+    if set(cfg.agents) != expected:
+        raise ConfigError(
+            f"workflow {cfg.workflow.name!r} has agents {sorted(expected)}, "
+            f"config defines {sorted(cfg.agents)}"
+        )
+    for name, agent in cfg.agents.items():
+        if agent.model not in cfg.models:
+            raise ConfigError(
+                f"agents.{name}.model={agent.model!r} is not in models {sorted(cfg.models)}"
+            )
+    for model in list(cfg.models):
+        users = cfg.agents_of(model)
+        if not users:
+            del cfg.models[model]  # declared but unused (e.g. agents.verifier.model=solver)
+            continue
+        lrs = {cfg.agents[a].lr for a in users if cfg.agents[a].lr is not None}
+        if len(lrs) > 1:
+            raise ConfigError(
+                f"agents {users} share model {model!r} but set different lr {sorted(lrs)}; "
+                f"set models.{model}.lr instead"
+            )
+    device = ("auto", "cpu", "cuda")
+    choices = {
+        "algorithm.advantage.mode": (cfg.algorithm.advantage.mode, get_args(AdvantageMode)),
+        "algorithm.advantage.std": (cfg.algorithm.advantage.std, ("unbiased", "population")),
+        "algorithm.advantage.scope": (cfg.algorithm.advantage.scope, ("group", "batch")),
+        "algorithm.loss.agg": (cfg.algorithm.loss.agg, get_args(LossAgg)),
+        "algorithm.loss.is_correction": (cfg.algorithm.loss.is_correction, get_args(ISCorrection)),
+        "actor.engine.name": (cfg.actor.engine.name, get_args(EngineName)),
+        "actor.engine.device": (cfg.actor.engine.device, device),
+        "actor.engine.dtype": (cfg.actor.engine.dtype, ("float32", "bfloat16", "float16")),
+        "learner.device": (cfg.learner.device, device),
+        "workflow.name": (cfg.workflow.name, tuple(WORKFLOW_AGENTS)),
+        "workflow.prompt_style": (cfg.workflow.prompt_style, ("plain", "chat")),
+        "task.name": (cfg.task.name, ("arithmetic", "jsonl", "parquet")),
+        "weights.backend": (cfg.weights.backend, ("auto", "gloo", "nccl")),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+    for name, model in cfg.models.items():
+        if model.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"models.{name}.dtype={model.dtype!r} is not float32 or bfloat16")
+    positive = {
+        "group_size": cfg.group_size,
+        "batch_groups": cfg.batch_groups,
+        "train.steps": cfg.train.steps,
+        "learner.world_size": cfg.learner.world_size,
+        "learner.micro_batch_size": cfg.learner.micro_batch_size,
+        "actor.max_groups": cfg.actor.max_groups,
+        "sampling.max_new_tokens": cfg.sampling.max_new_tokens,
+        "workflow.max_loops": cfg.workflow.max_loops,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if cfg.algorithm.max_staleness < 0:
+        raise ConfigError(f"algorithm.max_staleness must be >= 0, got {cfg.algorithm.max_staleness}")
+    if cfg.val.every and cfg.val.n < cfg.val.k:
+        raise ConfigError(f"val.n ({cfg.val.n}) must be >= val.k ({cfg.val.k})")
+    if not (0.0 < cfg.sampling.top_p <= 1.0):
+        raise ConfigError(f"sampling.top_p must be in (0, 1], got {cfg.sampling.top_p}")
+    if cfg.group_size < 2 and cfg.algorithm.advantage.scope == "group":
+        raise ConfigError("group_size must be >= 2 for group-relative advantages")
+
+
+def config_dir() -> Path:
+    """configs/ at the repo root, or $DRMAS_CONFIG_DIR."""
+    env = os.environ.get("DRMAS_CONFIG_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "configs"
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="drmas_schema", node=DrmasConfig)
+
+
+def load_config(overrides: list[str], config_file: str | None = None) -> DrmasConfig:
+    """Compose configs/config.yaml (or a resolved config.yaml of a run) with overrides."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        if config_file:
+            path = Path(config_file).resolve()
+            schema = OmegaConf.structured(DrmasConfig)
+            merged = OmegaConf.merge(schema, OmegaConf.load(path))
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+        else:
+            with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+                merged = compose(config_name="config", overrides=overrides)
+        obj = OmegaConf.to_object(merged)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(f"bad config or override: {exc}") from None
+    assert isinstance(obj, DrmasConfig)
+    return obj
+
+
+def to_yaml(cfg: DrmasConfig) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

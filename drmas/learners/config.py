@@ -1,0 +1,55 @@
+"""Learner settings: loss, optimizer, FSDP ranks. Plain dataclasses (no torch import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+ISCorrection = Literal["tis", "mask", "none"]
+
+
+@dataclass
+class LossConfig:
+    """PPO clipped surrogate with dual clip and off-policy correction (DESIGN.md §1)."""
+
+    clip_low: float = 0.2
+    """ε_low: ratio clipped below at 1 - clip_low."""
+    clip_high: float = 0.2
+    """ε_high: ratio clipped above at 1 + clip_high."""
+    dual_clip: float = 3.0
+    """c of dual-clip PPO (bounds the loss of negative-advantage tokens); <= 1 disables."""
+    is_correction: str = "tis"
+    """tis: weight min(π_old/π_behaviour, is_cap); mask: drop tokens above is_cap; none."""
+    is_cap: float = 2.0
+    """C of the truncated importance weight."""
+    agg: str = "token-mean"
+    """How token losses are averaged into one number."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (0 in the reference math runs)."""
+    kl_coef: float = 0.0
+    """KL to a frozen reference model (k3 estimator); 0 = no reference model is loaded."""
+    max_response_len: int = 512
+    """Normaliser of seq-mean-token-sum-norm (Dr. GRPO's constant)."""
+
+
+@dataclass
+class LearnerConfig:
+    """One learner group per model; these apply to every group unless the model overrides."""
+
+    world_size: int = 1
+    """FSDP ranks per model (each a process)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on one rank."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    device: str = "auto"
+    """auto: CUDA (NCCL) when available, else CPU (gloo)."""
+    timeout_s: float = 300.0
+    """Timeout of every collective of the learner group."""
+    per_agent_grad_norm: bool = True
+    """Measure the gradient norm contributed by each agent (costs one gradient copy)."""
+    master_port: int = 0
+    """torch.distributed rendezvous port of the group (0 = free port; drmas train only)."""
+    poll_s: float = 0.05
+    """Wait between batch requests when the broker has none ready."""

@@ -1,0 +1,38 @@
+"""Model settings: where the checkpoint is and how to optimise it. Plain dataclasses."""
+
+from __future__ import annotations
+
+from typing import Optional
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start of a builtin model, so RL starts between reward 0 and 1."""
+
+    steps: int = 400
+    """Supervised steps on generated transcripts (0 = none)."""
+    batch_size: int = 64
+    """Transcripts per step."""
+    lr: float = 3e-3
+    """AdamW learning rate of the warm start."""
+
+
+@dataclass
+class ModelConfig:
+    """One trainable policy; agents bind to it by name."""
+
+    path: str = "builtin:tiny-qwen2"
+    """A Hugging Face causal-LM folder, or builtin:<name> (created and cached on first use)."""
+    lr: float = 1e-6
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    world_size: Optional[int] = None
+    """FSDP ranks of this model's learner group; None = learner.world_size."""
+    dtype: str = "float32"
+    """Training dtype (float32 | bfloat16)."""
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Builtin models only."""

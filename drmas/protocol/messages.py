@@ -1,0 +1,312 @@
+"""Every message that crosses a process boundary, as typed msgspec records.
+
+Who talks to whom (all over ZeroMQ, one broker ROUTER socket, clients use DEALER):
+
+    actor   -> broker : Hello, Heartbeat, LeaseRequest, GroupResult, WeightsLoaded, Goodbye
+    learner -> broker : Hello, Heartbeat, BatchRequest, StepReport, PublishRequest, PublishDone
+    client  -> broker : Hello, StatusRequest
+    broker  -> actor  : Welcome, Leases, Accepted, JoinWeightGroup, Shutdown, ErrorReply
+    broker  -> learner: Welcome, BatchShard, NoBatch, WeightGroupPlan, Shutdown, ErrorReply
+    broker  -> client : Welcome, StatusReply, ErrorReply
+
+Weights themselves never travel here: they go learner rank 0 -> actors over a
+torch.distributed group (see drmas/transports/weights.py); these messages only
+announce and coordinate it.
+
+Token ids and log-probs are raw little-endian bytes (see arrays.py). This module
+imports nothing of the project.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+Role = Literal["actor", "learner", "client"]
+
+
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
+    """Base of all tagged messages; `type` on the wire names the record."""
+
+
+# ---------------------------------------------------------------- handshake
+# any -> broker: first message of a connection. Refused if protocol_version differs.
+class Hello(_Msg, tag="hello"):
+    role: Role
+    client_id: str
+    protocol_version: int
+    models: list[str] = []  # actor: models it serves; learner: [its model]
+    rank: int = 0  # learner: rank within its model's learner group
+    world_size: int = 1  # learner: ranks in its model's learner group
+    pid: int = 0
+    host: str = ""
+
+
+# broker -> any: answer to Hello.
+class Welcome(_Msg, tag="welcome"):
+    run_id: str
+    model_versions: dict[str, int]  # model -> current weight version (optimizer steps)
+    agent_models: dict[str, str]  # agent -> model it is bound to
+    heartbeat_interval_s: float
+
+
+# actor/learner -> broker, every heartbeat_interval_s; no reply.
+class Heartbeat(_Msg, tag="heartbeat"):
+    client_id: str
+    versions: dict[str, int] = {}  # model -> weight version held
+    running_groups: int = 0
+
+
+# actor -> broker on clean exit: leases it hands back unfinished; no reply.
+class Goodbye(_Msg, tag="goodbye"):
+    client_id: str
+    lease_ids: list[int] = []
+
+
+# ------------------------------------------------------------------- rollout
+class Task(msgspec.Struct, forbid_unknown_fields=True):
+    """One prompt of the task source, carried in a lease."""
+
+    task_id: str
+    question: str
+    answer: str  # gold answer, graded on the actor
+    source: str = ""
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+
+# actor -> broker: ask for up to max_groups leases.
+class LeaseRequest(_Msg, tag="lease_request"):
+    client_id: str
+    max_groups: int
+    versions: dict[str, int]  # model -> weight version the actor holds now
+
+
+class Lease(msgspec.Struct, forbid_unknown_fields=True):
+    """One group of `group_size` episodes of one task, owned by one actor."""
+
+    lease_id: int
+    group_id: int
+    task: Task
+    group_size: int
+    is_eval: bool
+    sampling: SamplingParams
+    timeout_s: float  # broker re-issues the task after this long
+
+
+# broker -> actor: answer to LeaseRequest; an empty list means "ask again later".
+class Leases(_Msg, tag="leases"):
+    leases: list[Lease]
+    retry_after_s: float = 0.0
+    reason: str = ""  # why fewer than asked (admission control, stale weights, done)
+
+
+class Step(msgspec.Struct, forbid_unknown_fields=True):
+    """One call of one agent inside an episode."""
+
+    agent: str
+    model: str
+    prompt_ids: bytes  # [P] int32 LE
+    response_ids: bytes  # [T] int32 LE
+    logprobs: bytes  # [T] float32 LE, behaviour log-probs of response tokens (<= 0)
+    version: int  # weight version of `model` when the step started generating
+    valid: bool  # the agent's action parsed (else the invalid-action penalty applies)
+    finish_reason: str  # "stop" | "length"
+
+
+class Episode(msgspec.Struct, forbid_unknown_fields=True):
+    steps: list[Step]
+    reward: float  # team reward of the episode
+
+
+# actor -> broker: all episodes of one lease. Answered by Accepted.
+class GroupResult(_Msg, tag="group_result"):
+    client_id: str
+    lease_id: int
+    group_id: int
+    episodes: list[Episode]
+    generate_s: float = 0.0  # wall seconds the actor spent on the group
+
+
+# broker -> actor: answer to GroupResult.
+class Accepted(_Msg, tag="accepted"):
+    lease_id: int
+    accepted: bool
+    reason: str = ""
+
+
+# ------------------------------------------------------------------ learning
+# learner rank -> broker: "give me my shard of the batch for `version`".
+class BatchRequest(_Msg, tag="batch_request"):
+    client_id: str
+    model: str
+    rank: int
+    world_size: int
+    version: int  # learner's current weight version = the step it is about to take
+
+
+class Sample(msgspec.Struct, forbid_unknown_fields=True):
+    """One step turned into a training sequence."""
+
+    agent: str
+    prompt_ids: bytes  # [P] int32 LE
+    response_ids: bytes  # [T] int32 LE
+    logprobs: bytes  # [T] float32 LE behaviour log-probs
+    advantage: float  # broadcast to every response token
+    version: int  # behaviour weight version
+
+
+# broker -> learner rank: its shard. Every rank of a step gets the same number of samples
+# (padded with zero-weight copies), so FSDP collectives line up.
+class BatchShard(_Msg, tag="batch_shard"):
+    model: str
+    version: int
+    rank: int
+    world_size: int
+    samples: list[Sample]
+    weights: list[float]  # per sample: 1.0, or 0.0 for a padding copy
+    total_samples: int  # real samples over all ranks (for sequence-mean losses)
+    total_tokens: int  # real response tokens over all ranks (for token-mean losses)
+
+
+# broker -> learner rank: no batch yet (retry later) or training is over (done=True).
+class NoBatch(_Msg, tag="no_batch"):
+    retry_after_s: float
+    reason: str = ""
+    done: bool = False
+
+
+# learner rank 0 -> broker after each optimizer step; no reply.
+class StepReport(_Msg, tag="step_report"):
+    model: str
+    version: int  # new version after the step
+    metrics: dict[str, float]
+
+
+# learner rank 0 -> broker: wants to broadcast `version`; its weight-group store listens
+# at store_address ("host:port"). Answered by WeightGroupPlan.
+class PublishRequest(_Msg, tag="publish_request"):
+    model: str
+    version: int
+    store_address: str
+
+
+# broker -> learner rank 0: who receives. Learner is rank 0, members[i] is rank i + 1.
+class WeightGroupPlan(_Msg, tag="weight_group_plan"):
+    model: str
+    version: int
+    group_name: str
+    members: list[str]
+    timeout_s: float
+
+
+# broker -> actor, unsolicited: join this weight group and receive `version` of `model`.
+class JoinWeightGroup(_Msg, tag="join_weight_group"):
+    model: str
+    version: int
+    group_name: str
+    store_address: str
+    rank: int
+    world_size: int
+    timeout_s: float
+
+
+# actor -> broker after a JoinWeightGroup: loaded (ok) or failed (error says why).
+class WeightsLoaded(_Msg, tag="weights_loaded"):
+    client_id: str
+    model: str
+    version: int
+    seconds: float
+    ok: bool = True
+    error: str = ""
+
+
+# learner rank 0 -> broker after the broadcast of a WeightGroupPlan.
+class PublishDone(_Msg, tag="publish_done"):
+    model: str
+    version: int
+    seconds: float
+    bytes: int
+    ok: bool = True
+    error: str = ""
+
+
+# ------------------------------------------------------------------- control
+# client -> broker.
+class StatusRequest(_Msg, tag="status_request"):
+    pass
+
+
+class ActorStatus(msgspec.Struct):
+    client_id: str
+    host: str
+    pid: int
+    versions: dict[str, int]
+    leases: int  # leases held now
+    groups_done: int
+    episodes_done: int
+    last_seen_s: float  # seconds since its last message
+
+
+class ModelStatus(msgspec.Struct):
+    version: int  # optimizer steps taken
+    buffered_groups: int
+    batches_cut: int
+    learner_ranks: int
+
+
+# broker -> client.
+class StatusReply(_Msg, tag="status_reply"):
+    run_id: str
+    uptime_s: float
+    actors: list[ActorStatus]
+    models: dict[str, ModelStatus]
+    queued_tasks: int
+    in_flight_groups: int
+    counters: dict[str, int]  # refused messages, re-issued leases, dropped groups, ...
+    done: bool
+
+
+# broker -> sender of a message it refused.
+class ErrorReply(_Msg, tag="error"):
+    code: str  # "bad_frame" | "protocol_version" | "invalid" | "unknown_client" | ...
+    reason: str
+
+
+# broker -> actors and learners: training is over, exit cleanly.
+class Shutdown(_Msg, tag="shutdown"):
+    reason: str
+
+
+ToBroker = (
+    Hello
+    | Heartbeat
+    | Goodbye
+    | LeaseRequest
+    | GroupResult
+    | BatchRequest
+    | StepReport
+    | PublishRequest
+    | PublishDone
+    | WeightsLoaded
+    | StatusRequest
+)
+FromBroker = (
+    Welcome
+    | Leases
+    | Accepted
+    | BatchShard
+    | NoBatch
+    | WeightGroupPlan
+    | JoinWeightGroup
+    | StatusReply
+    | ErrorReply
+    | Shutdown
+)

@@ -1,0 +1,93 @@
+"""Checks every decoded message before the broker uses it.
+
+A message that fails raises `ProtocolError("invalid", reason)`; the broker answers with
+an ErrorReply, counts it and goes on. Nothing here mutates state, so a refused message
+can never half-apply.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+
+from drmas.protocol.arrays import unpack_ids, unpack_logprobs
+from drmas.protocol.codec import ProtocolError
+from drmas.protocol.messages import GroupResult, Hello, LeaseRequest, Step
+
+
+class Limits(msgspec.Struct):
+    """What the broker accepts. Built once from the run's config."""
+
+    agent_models: dict[str, str]  # agent -> model
+    vocab_sizes: dict[str, int]  # model -> vocabulary size
+    max_prompt_tokens: int = 32_768
+    max_response_tokens: int = 32_768
+    max_steps_per_episode: int = 64
+    max_group_size: int = 1024
+    max_lease_request: int = 1024
+    max_id_chars: int = 256
+
+
+def _fail(reason: str) -> None:
+    raise ProtocolError("invalid", reason)
+
+
+def check_hello(msg: Hello, limits: Limits) -> None:
+    if not msg.client_id or len(msg.client_id) > limits.max_id_chars:
+        _fail(f"client_id must be 1..{limits.max_id_chars} characters")
+    unknown = sorted(set(msg.models) - set(limits.vocab_sizes))
+    if unknown:
+        _fail(f"unknown model(s) {unknown}; this run trains {sorted(limits.vocab_sizes)}")
+    if msg.role == "learner" and not (0 <= msg.rank < msg.world_size):
+        _fail(f"learner rank {msg.rank} outside world size {msg.world_size}")
+
+
+def check_lease_request(msg: LeaseRequest, limits: Limits) -> None:
+    if not (1 <= msg.max_groups <= limits.max_lease_request):
+        _fail(f"max_groups must be 1..{limits.max_lease_request}, got {msg.max_groups}")
+
+
+def check_step(step: Step, limits: Limits) -> None:
+    model = limits.agent_models.get(step.agent)
+    if model is None:
+        _fail(f"unknown agent {step.agent!r}; agents are {sorted(limits.agent_models)}")
+    if step.model != model:
+        _fail(f"agent {step.agent!r} is bound to model {model!r}, step says {step.model!r}")
+    try:
+        prompt = unpack_ids(step.prompt_ids)
+        response = unpack_ids(step.response_ids)
+        logprobs = unpack_logprobs(step.logprobs)
+    except ValueError as exc:
+        _fail(str(exc))
+    if not (1 <= len(prompt) <= limits.max_prompt_tokens):
+        _fail(f"prompt of {len(prompt)} tokens outside 1..{limits.max_prompt_tokens}")
+    if not (1 <= len(response) <= limits.max_response_tokens):
+        _fail(f"response of {len(response)} tokens outside 1..{limits.max_response_tokens}")
+    if len(logprobs) != len(response):
+        _fail(f"{len(logprobs)} log-probs for {len(response)} response tokens")
+    vocab = limits.vocab_sizes[model]
+    for name, ids in (("prompt", prompt), ("response", response)):
+        if ids.min() < 0 or ids.max() >= vocab:
+            _fail(f"{name} token id outside the vocabulary of {model!r} (size {vocab})")
+    if not np.all(np.isfinite(logprobs)) or logprobs.max() > 0.0:
+        _fail("log-probs must be finite and <= 0")
+    if step.version < 0:
+        _fail(f"negative weight version {step.version}")
+    if step.finish_reason not in ("stop", "length"):
+        _fail(f"finish_reason must be 'stop' or 'length', got {step.finish_reason!r}")
+
+
+def check_group_result(msg: GroupResult, limits: Limits, group_size: int) -> None:
+    if len(msg.episodes) != group_size:
+        _fail(f"group {msg.group_id} has {len(msg.episodes)} episodes, lease asked {group_size}")
+    for i, episode in enumerate(msg.episodes):
+        if not math.isfinite(episode.reward):
+            _fail(f"episode {i}: reward is not finite")
+        if not (1 <= len(episode.steps) <= limits.max_steps_per_episode):
+            _fail(
+                f"episode {i}: {len(episode.steps)} steps outside 1..{limits.max_steps_per_episode}"
+            )
+        for step in episode.steps:
+            check_step(step, limits)

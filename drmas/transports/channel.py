@@ -1,0 +1,141 @@
+"""ZeroMQ channel between the broker (ROUTER, binds) and its clients (DEALER, connect).
+
+Socket semantics, written where the sockets are made:
+- Broker: one ROUTER bound at `broker.address`. ROUTER_MANDATORY is on, so a reply to a
+  peer that has gone raises instead of vanishing silently; SNDHWM/RCVHWM 10_000 frames
+  per peer; when a peer's send queue is full the send fails (zmq.Again) and the broker
+  counts it and drops that reply (the client's request times out and is retried).
+  MAXMSGSIZE drops oversized frames before they are read. linger=0 on close.
+- Client: one DEALER with a unique identity (its client id), connected to the broker;
+  a late joiner simply connects and says Hello. Requests are retried by the caller;
+  every receive has an explicit timeout. Messages the broker sends unsolicited
+  (JoinWeightGroup, Shutdown) that arrive while waiting for a reply are kept in `inbox`.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import TypeVar
+
+import zmq
+
+from drmas.protocol import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    decode_from_broker,
+    encode,
+)
+from drmas.protocol.messages import ErrorReply, FromBroker, Hello, Role, Welcome
+
+T = TypeVar("T")
+
+
+class BrokerUnavailable(TimeoutError):
+    """The broker did not answer in time; says where and for what."""
+
+
+class BrokerRefused(RuntimeError):
+    """The broker answered with an ErrorReply."""
+
+
+def bind_router(ctx: zmq.Context, address: str, max_message_bytes: int) -> tuple[zmq.Socket, str]:
+    """Bind the broker's ROUTER; port 0 picks a free port. Returns (socket, bound address)."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.SNDHWM, 10_000)
+    sock.setsockopt(zmq.RCVHWM, 10_000)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.LINGER, 0)
+    if address.endswith(":0"):
+        port = sock.bind_to_random_port(address[: -len(":0")])
+        address = f"{address[: -len(':0')]}:{port}"
+    else:
+        sock.bind(address)
+    return sock, address
+
+
+class BrokerClient:
+    """A DEALER connected to the broker, used by actors, learner ranks and `drmas status`."""
+
+    def __init__(
+        self,
+        address: str,
+        client_id: str,
+        *,
+        max_message_bytes: int = 256 * 1024 * 1024,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self.address = address
+        self.client_id = client_id
+        self._ctx = ctx or zmq.Context.instance()
+        self.sock = self._ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, client_id.encode())
+        self.sock.setsockopt(zmq.SNDHWM, 10_000)
+        self.sock.setsockopt(zmq.RCVHWM, 10_000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.inbox: collections.deque[FromBroker] = collections.deque()
+
+    def send(self, message: object) -> None:
+        self.sock.send(encode(message))  # type: ignore[arg-type]
+
+    def recv(self, timeout_s: float) -> FromBroker | None:
+        """Next message (inbox first), or None after timeout_s. Bad frames are skipped."""
+        if self.inbox:
+            return self.inbox.popleft()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.sock.poll(left_ms):
+                return None
+            try:
+                return decode_from_broker(self.sock.recv())
+            except ProtocolError:
+                if time.monotonic() >= deadline:
+                    return None
+
+    def request(self, message: object, expect: type[T] | tuple[type, ...], timeout_s: float) -> T:
+        """Send and wait for a reply of type `expect`; other messages go to `inbox`."""
+        self.send(message)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BrokerUnavailable(
+                    f"broker at {self.address} did not answer {type(message).__name__} "
+                    f"within {timeout_s:.0f}s; is `drmas broker` running there?"
+                )
+            if not self.sock.poll(int(left * 1000) + 1):
+                continue
+            try:
+                reply = decode_from_broker(self.sock.recv())
+            except ProtocolError:
+                continue
+            if isinstance(reply, expect):
+                return reply  # type: ignore[return-value]
+            if isinstance(reply, ErrorReply):
+                raise BrokerRefused(f"broker refused {type(message).__name__}: {reply.reason}")
+            self.inbox.append(reply)
+
+    def hello(
+        self, role: Role, models: list[str], *, timeout_s: float, rank: int = 0, world_size: int = 1
+    ) -> Welcome:
+        import os
+        import socket
+
+        msg = Hello(
+            role=role,
+            client_id=self.client_id,
+            protocol_version=PROTOCOL_VERSION,
+            models=models,
+            rank=rank,
+            world_size=world_size,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+        )
+        return self.request(msg, Welcome, timeout_s)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
