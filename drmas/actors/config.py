@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 EngineName = Literal["hf", "vllm", "sglang", "sim"]
 
@@ -46,7 +46,7 @@ class WorkflowConfig:
     """Solver/Verifier rounds; the Verifier is skipped on the last one."""
     prompt_style: str = "plain"
     """plain text prompts (tiny models) or the tokenizer's chat template."""
-    instructions: Optional[dict[str, str]] = None
+    instructions: dict[str, str] | None = None
     """Per-agent role instruction; None = the workflow's own."""
 
 

@@ -8,9 +8,9 @@ Each process then reads only its own slice. No torch import here (`drmas --help`
 from __future__ import annotations
 
 import os
-from typing import Optional, get_args
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
 from drmas.actors.config import ActorConfig, EngineName, SamplingConfig, WorkflowConfig
 from drmas.broker.config import AdvantageConfig, AdvantageMode, BrokerConfig
@@ -30,7 +30,7 @@ class AgentConfig:
 
     model: str = ""
     """Name of the model in `models` this agent's calls use (agents may share one)."""
-    lr: Optional[float] = None
+    lr: float | None = None
     """Learning rate for this agent's model (only when no other agent shares it)."""
 
 
@@ -135,7 +135,9 @@ def check(cfg: DrmasConfig) -> None:
     if not cfg.agents:
         raise ConfigError("no agents configured: pick an experiment, e.g. experiment=tiny_math")
     if cfg.workflow.name not in WORKFLOW_AGENTS:
-        raise ConfigError(f"workflow.name={cfg.workflow.name!r} is not one of {list(WORKFLOW_AGENTS)}")
+        raise ConfigError(
+            f"workflow.name={cfg.workflow.name!r} is not one of {list(WORKFLOW_AGENTS)}"
+        )
     expected = set(WORKFLOW_AGENTS[cfg.workflow.name])
     if set(cfg.agents) != expected:
         raise ConfigError(
@@ -152,7 +154,7 @@ def check(cfg: DrmasConfig) -> None:
         if not users:
             del cfg.models[model]  # declared but unused (e.g. agents.verifier.model=solver)
             continue
-        lrs = {cfg.agents[a].lr for a in users if cfg.agents[a].lr is not None}
+        lrs = {lr for a in users if (lr := cfg.agents[a].lr) is not None}
         if len(lrs) > 1:
             raise ConfigError(
                 f"agents {users} share model {model!r} but set different lr {sorted(lrs)}; "
@@ -177,9 +179,11 @@ def check(cfg: DrmasConfig) -> None:
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
-    for name, model in cfg.models.items():
-        if model.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"models.{name}.dtype={model.dtype!r} is not float32 or bfloat16")
+    for model_name, model_cfg in cfg.models.items():
+        if model_cfg.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(
+                f"models.{model_name}.dtype={model_cfg.dtype!r} is not float32 or bfloat16"
+            )
     positive = {
         "group_size": cfg.group_size,
         "batch_groups": cfg.batch_groups,
@@ -190,11 +194,13 @@ def check(cfg: DrmasConfig) -> None:
         "sampling.max_new_tokens": cfg.sampling.max_new_tokens,
         "workflow.max_loops": cfg.workflow.max_loops,
     }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
+    for key, count in positive.items():
+        if count < 1:
+            raise ConfigError(f"{key} must be >= 1, got {count}")
     if cfg.algorithm.max_staleness < 0:
-        raise ConfigError(f"algorithm.max_staleness must be >= 0, got {cfg.algorithm.max_staleness}")
+        raise ConfigError(
+            f"algorithm.max_staleness must be >= 0, got {cfg.algorithm.max_staleness}"
+        )
     if cfg.val.every and cfg.val.n < cfg.val.k:
         raise ConfigError(f"val.n ({cfg.val.n}) must be >= val.k ({cfg.val.k})")
     if not (0.0 < cfg.sampling.top_p <= 1.0):

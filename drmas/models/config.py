@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
 from dataclasses import dataclass, field
 
 
@@ -30,7 +29,7 @@ class ModelConfig:
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
-    world_size: Optional[int] = None
+    world_size: int | None = None
     """FSDP ranks of this model's learner group; None = learner.world_size."""
     dtype: str = "float32"
     """Training dtype (float32 | bfloat16)."""

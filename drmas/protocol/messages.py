@@ -2,7 +2,8 @@
 
 Who talks to whom (all over ZeroMQ, one broker ROUTER socket, clients use DEALER):
 
-    actor   -> broker : Hello, Heartbeat, LeaseRequest, GroupResult, WeightsLoaded, Goodbye
+    actor   -> broker : Hello, Heartbeat, LeaseRequest, GroupResult, WeightsLoaded, LeaseReturn,
+                        Goodbye
     learner -> broker : Hello, Heartbeat, BatchRequest, StepReport, PublishRequest, PublishDone
     client  -> broker : Hello, StatusRequest
     broker  -> actor  : Welcome, Leases, Accepted, JoinWeightGroup, Shutdown, ErrorReply
@@ -64,6 +65,13 @@ class Heartbeat(_Msg, tag="heartbeat"):
 class Goodbye(_Msg, tag="goodbye"):
     client_id: str
     lease_ids: list[int] = []
+
+
+# actor -> broker: leases it cannot finish (a failed group); they are re-issued. No reply.
+class LeaseReturn(_Msg, tag="lease_return"):
+    client_id: str
+    lease_ids: list[int]
+    reason: str = ""
 
 
 # ------------------------------------------------------------------- rollout
@@ -244,7 +252,7 @@ class StatusRequest(_Msg, tag="status_request"):
     pass
 
 
-class ActorStatus(msgspec.Struct):
+class ActorStatus(msgspec.Struct, forbid_unknown_fields=True):
     client_id: str
     host: str
     pid: int
@@ -255,7 +263,7 @@ class ActorStatus(msgspec.Struct):
     last_seen_s: float  # seconds since its last message
 
 
-class ModelStatus(msgspec.Struct):
+class ModelStatus(msgspec.Struct, forbid_unknown_fields=True):
     version: int  # optimizer steps taken
     buffered_groups: int
     batches_cut: int
@@ -289,6 +297,7 @@ ToBroker = (
     Hello
     | Heartbeat
     | Goodbye
+    | LeaseReturn
     | LeaseRequest
     | GroupResult
     | BatchRequest

@@ -8,6 +8,7 @@ can never half-apply.
 from __future__ import annotations
 
 import math
+from typing import NoReturn
 
 import msgspec
 import numpy as np
@@ -30,7 +31,7 @@ class Limits(msgspec.Struct):
     max_id_chars: int = 256
 
 
-def _fail(reason: str) -> None:
+def _fail(reason: str) -> NoReturn:
     raise ProtocolError("invalid", reason)
 
 

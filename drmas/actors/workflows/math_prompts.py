@@ -43,7 +43,9 @@ def context_lines(turns: Sequence[tuple[str, str]]) -> str:
     return "".join(f"{LABELS[agent]}: {text.strip()}\n" for agent, text in turns)
 
 
-def plain_prompt(agent: str, question: str, turns: Sequence[tuple[str, str]], instruction: str) -> str:
+def plain_prompt(
+    agent: str, question: str, turns: Sequence[tuple[str, str]], instruction: str
+) -> str:
     return f"{instruction}\nQuestion: {question}\n{context_lines(turns)}{LABELS[agent]}:"
 
 

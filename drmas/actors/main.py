@@ -1,0 +1,212 @@
+"""The actor process: runs leased groups through the workflow and streams them back.
+
+Talks to the broker only (DEALER, drmas/transports/channel.py):
+  -> Hello, LeaseRequest, GroupResult, Heartbeat, WeightsLoaded, Goodbye
+  <- Welcome, Leases, Accepted, JoinWeightGroup, Shutdown
+and receives weights from each model's learner rank 0 over a torch.distributed group
+(drmas/transports/weights.py) when the broker sends JoinWeightGroup.
+
+One asyncio loop: every episode of every held lease is a coroutine that awaits its
+engine, so the engines batch across all of them. Weight joins are handled strictly in
+arrival order (the broker sends them to every actor in the same order, so two learners
+publishing at once can never wait on each other), at a safe point: the engine is paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+
+from drmas.actors.engines import make_engine
+from drmas.actors.engines.base import Engine
+from drmas.actors.workflows.math import MathWorkflow
+from drmas.launch.config import DrmasConfig
+from drmas.protocol.messages import (
+    Accepted,
+    Episode,
+    Goodbye,
+    GroupResult,
+    Heartbeat,
+    JoinWeightGroup,
+    Lease,
+    LeaseRequest,
+    LeaseReturn,
+    Leases,
+    Shutdown,
+    WeightsLoaded,
+)
+from drmas.transports.channel import BrokerClient, BrokerRefused
+from drmas.transports.weights import WeightReceiver
+
+log = logging.getLogger("drmas.actor")
+REQUEST_TIMEOUT_S = 30.0
+
+
+class Actor:
+    def __init__(self, cfg: DrmasConfig, actor_id: str) -> None:
+        self.cfg = cfg
+        self.id = actor_id
+        self.models = cfg.actor.models or sorted(cfg.models)
+        self.client = BrokerClient(
+            cfg.broker.address, actor_id, max_message_bytes=cfg.broker.max_message_bytes
+        )
+        self.engines: dict[str, Engine] = {}
+        self.running: dict[int, asyncio.Task[list[Episode]]] = {}
+        self.leases: dict[int, Lease] = {}
+        self.started_at: dict[int, float] = {}
+        self.joins: list[JoinWeightGroup] = []
+        self.receiver = WeightReceiver()
+        self.stopping = ""
+        self.heartbeat_s = cfg.broker.heartbeat_interval_s
+
+    # ----------------------------------------------------------------- setup
+    async def start(self) -> None:
+        welcome = self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
+        self.heartbeat_s = welcome.heartbeat_interval_s
+        for model in self.models:
+            engine_cfg = self.cfg.actor.engine
+            engine = make_engine(model, self.cfg.models[model].path, engine_cfg)
+            await engine.start()
+            self.engines[model] = engine
+        tokenizers = {m: getattr(e, "tokenizer") for m, e in self.engines.items()}
+        agent_models = {a: self.cfg.model_of(a) for a in self.cfg.agents}
+        self.workflow = MathWorkflow(self.cfg.workflow, agent_models, self.engines, tokenizers)
+        log.info("actor %s serving %s (run %s)", self.id, self.models, welcome.run_id)
+
+    # ------------------------------------------------------------------ loop
+    async def run(self) -> None:
+        await self.start()
+        last_beat = last_ask = 0.0
+        retry_after = 0.0
+        try:
+            while not self.stopping:
+                self.drain_inbox()
+                await self.sync_weights()
+                self.send_finished()
+                now = time.monotonic()
+                free = self.cfg.actor.max_groups - len(self.running)
+                if free > 0 and now - last_ask >= retry_after:
+                    retry_after = self.ask_for_leases(free)
+                    last_ask = now
+                if now - last_beat >= self.heartbeat_s:
+                    self.client.send(Heartbeat(self.id, self.versions(), len(self.running)))
+                    last_beat = now
+                await asyncio.sleep(0.002 if self.running else 0.02)
+        finally:
+            await self.stop()
+
+    def versions(self) -> dict[str, int]:
+        return {m: e.version for m, e in self.engines.items()}
+
+    def drain_inbox(self) -> None:
+        while (msg := self.client.recv(timeout_s=0)) is not None:
+            match msg:
+                case JoinWeightGroup():
+                    self.joins.append(msg)
+                case Shutdown():
+                    self.stopping = f"broker: {msg.reason}"
+                case _:
+                    log.debug("ignoring unsolicited %s", type(msg).__name__)
+
+    def ask_for_leases(self, free: int) -> float:
+        try:
+            reply = self.client.request(
+                LeaseRequest(self.id, free, self.versions()), Leases, REQUEST_TIMEOUT_S
+            )
+        except BrokerRefused as exc:
+            log.warning("lease request refused (%s); saying hello again", exc)
+            self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
+            return 1.0
+        for lease in reply.leases:
+            self.leases[lease.lease_id] = lease
+            self.started_at[lease.lease_id] = time.monotonic()
+            sampling = lease.sampling
+            self.running[lease.lease_id] = asyncio.create_task(
+                self.workflow.run_group(lease.task, sampling, lease.group_size)
+            )
+        return reply.retry_after_s
+
+    def send_finished(self) -> None:
+        for lease_id in [i for i, t in self.running.items() if t.done()]:
+            task = self.running.pop(lease_id)
+            lease = self.leases.pop(lease_id)
+            seconds = time.monotonic() - self.started_at.pop(lease_id)
+            if task.exception() is not None:
+                log.error(
+                    "group %d failed: %r; handing the lease back", lease.group_id, task.exception()
+                )
+                self.client.send(LeaseReturn(self.id, [lease_id], repr(task.exception())))
+                continue
+            result = GroupResult(self.id, lease_id, lease.group_id, task.result(), seconds)
+            try:
+                ack = self.client.request(result, Accepted, REQUEST_TIMEOUT_S)
+            except BrokerRefused as exc:
+                log.error("group %d refused by the broker: %s", lease.group_id, exc)
+                continue
+            if not ack.accepted:
+                log.warning("group %d not accepted: %s", lease.group_id, ack.reason)
+
+    async def sync_weights(self) -> None:
+        """Receive every pending weight publish, in arrival order, at a safe point."""
+        while self.joins:
+            join = self.joins.pop(0)
+            engine = self.engines[join.model]
+            start = time.monotonic()
+            await engine.pause()
+            try:
+                self.receiver.receive_into(
+                    join, lambda tensors, e=engine, v=join.version: e.load_weights(tensors, v)
+                )
+                ok, error = True, ""
+            except (
+                Exception
+            ) as exc:  # a failed sync must not kill the actor: it re-syncs next version
+                ok, error = False, f"{type(exc).__name__}: {exc}"
+                log.error("weight sync %s failed: %s", join.group_name, error)
+            finally:
+                await engine.resume()
+            self.client.send(
+                WeightsLoaded(
+                    self.id, join.model, join.version, time.monotonic() - start, ok, error
+                )
+            )
+
+    # --------------------------------------------------------------- cleanup
+    async def stop(self) -> None:
+        unfinished = sorted(self.running)
+        for task in self.running.values():
+            task.cancel()
+        await asyncio.gather(*self.running.values(), return_exceptions=True)
+        self.running.clear()
+        try:
+            self.client.send(Goodbye(self.id, unfinished))
+        finally:
+            for engine in self.engines.values():
+                await engine.close()
+            self.client.close()
+        log.info(
+            "actor %s stopped (%s); handed back %d leases", self.id, self.stopping, len(unfinished)
+        )
+
+
+def default_actor_id() -> str:
+    return f"actor-{socket.gethostname()}-{os.getpid()}"
+
+
+def run_actor(cfg: DrmasConfig, actor_id: str = "") -> None:
+    """Entry point of `drmas actor`: run until the broker says Shutdown, or SIGTERM/SIGINT."""
+    import torch
+
+    torch.set_num_threads(max(1, int(os.environ.get("DRMAS_TORCH_THREADS", "1"))))
+    actor = Actor(cfg, actor_id or cfg.actor.id or default_actor_id())
+
+    def stop(signum: int, _frame: object) -> None:
+        actor.stopping = f"signal {signum}"
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    asyncio.run(actor.run())

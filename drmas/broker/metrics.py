@@ -1,0 +1,86 @@
+"""The run's metrics.jsonl, written by the broker (the one process that sees everything).
+
+Line for step s (= model versions after s optimizer steps) is written once every model
+has reported step s and finished publishing its weights: batch statistics (rewards, scores, advantages per agent, staleness),
+learner metrics (loss, grad norms, ...), weight-sync seconds and throughput. Validation
+results get lines of their own with the step they evaluated.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import IO
+
+
+class NullSink:
+    def write(self, record: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f: IO[str] = path.open("a", buffering=1)
+
+    def write(self, record: dict[str, float]) -> None:
+        self._f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class StepMetrics:
+    """Merges per-model reports into one line per step."""
+
+    def __init__(self, sink: JsonlSink | NullSink, models: list[str]) -> None:
+        self.sink = sink
+        self.parts = {(m, part) for m in models for part in ("step", "publish")}
+        self.pending: dict[int, dict[str, float]] = {}
+        self.reported: dict[int, set[tuple[str, str]]] = {}
+        self.last_step = 0
+        self._last_flush = time.monotonic()
+        self._episodes = 0
+        self._tokens = 0
+
+    def count_intake(self, episodes: int, tokens: int) -> None:
+        self._episodes += episodes
+        self._tokens += tokens
+
+    def add(self, step: int, values: dict[str, float]) -> None:
+        self.pending.setdefault(step, {}).update(values)
+
+    def report(
+        self, step: int, model: str, part: str, values: dict[str, float], counters: dict[str, int]
+    ) -> None:
+        """`part` is "step" (learner metrics) or "publish" (weight sync)."""
+        self.add(step, values)
+        self.reported.setdefault(step, set()).add((model, part))
+        if self.reported[step] >= self.parts:
+            self.flush(step, counters)
+
+    def flush(self, step: int, counters: dict[str, int]) -> None:
+        now = time.monotonic()
+        dt = max(now - self._last_flush, 1e-9)
+        line = {"step": step, **self.pending.pop(step, {})}
+        line["episodes_per_s"] = self._episodes / dt
+        line["tokens_per_s"] = self._tokens / dt
+        line["dropped_stale_groups"] = counters.get("dropped_stale_groups", 0)
+        line["time_s"] = time.time()
+        self._episodes = self._tokens = 0
+        self._last_flush = now
+        self.reported.pop(step, None)
+        self.last_step = max(self.last_step, step)
+        self.sink.write(line)
+
+    def write(self, record: dict[str, float]) -> None:
+        self.sink.write({**record, "time_s": time.time()})
+
+    def close(self, counters: dict[str, int]) -> None:
+        for step in sorted(self.pending):
+            self.flush(step, counters)
+        self.sink.close()

@@ -1,0 +1,270 @@
+"""The broker process: one ROUTER socket in front of BrokerState.
+
+Talks to: actors (leases in, groups out, weight-group joins), learner ranks (batch
+shards, step reports, publish plans) and `drmas status` clients. Every frame is decoded
+with the ToBroker decoder and validated before it touches state; a refused frame gets an
+ErrorReply (when the sender can be answered), is counted under `refused/<code>`, and the
+loop goes on. The loop polls with a 100 ms timeout so liveness checks never stall.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import zmq
+
+from drmas.broker.metrics import JsonlSink, NullSink, StepMetrics
+from drmas.broker.state import BrokerState
+from drmas.launch.config import DrmasConfig
+from drmas.protocol import (
+    PROTOCOL_VERSION,
+    Limits,
+    ProtocolError,
+    decode_to_broker,
+    encode,
+    validate,
+)
+from drmas.protocol.messages import (
+    Accepted,
+    BatchRequest,
+    ErrorReply,
+    Goodbye,
+    GroupResult,
+    Heartbeat,
+    Hello,
+    LeaseRequest,
+    LeaseReturn,
+    PublishDone,
+    PublishRequest,
+    Shutdown,
+    StatusRequest,
+    StepReport,
+    ToBroker,
+    WeightsLoaded,
+    Welcome,
+)
+from drmas.tasks.source import TaskSource
+from drmas.transports.channel import bind_router
+
+log = logging.getLogger("drmas.broker")
+
+
+def vocab_sizes(cfg: DrmasConfig) -> dict[str, int]:
+    """Each model's vocabulary size, read from its checkpoint's config.json."""
+    sizes = {}
+    for name, model in cfg.models.items():
+        path = Path(model.path) / "config.json"
+        if not path.exists():
+            raise FileNotFoundError(
+                f"models.{name}.path={model.path!r} has no config.json; the broker needs resolved "
+                "checkpoint folders (drmas train resolves builtin: models before starting it)"
+            )
+        data = json.loads(path.read_text())
+        sizes[name] = int(data.get("vocab_size") or data["text_config"]["vocab_size"])
+    return sizes
+
+
+class BrokerServer:
+    def __init__(self, cfg: DrmasConfig, run_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        sink = JsonlSink(run_dir / "metrics.jsonl") if run_dir else NullSink()
+        self.run_dir = run_dir
+        self.state = BrokerState(
+            cfg, TaskSource(cfg.task), StepMetrics(sink, sorted(cfg.models)), uuid.uuid4().hex[:12]
+        )
+        self.limits = Limits(
+            agent_models=dict(self.state.agent_models),
+            vocab_sizes=vocab_sizes(cfg),
+            max_response_tokens=cfg.sampling.max_new_tokens,
+            max_steps_per_episode=4 * cfg.workflow.max_loops + 4,
+        )
+        self.ctx = zmq.Context()
+        self.sock, self.address = bind_router(
+            self.ctx, cfg.broker.address, cfg.broker.max_message_bytes
+        )
+        self._stop = False
+        self._shutdown_sent = False
+        log.info("broker listening on %s (run %s)", self.address, self.state.run_id)
+
+    # ------------------------------------------------------------------ loop
+    def serve(self, max_seconds: float | None = None) -> None:
+        """Serve until SIGTERM/SIGINT, or training is done and every learner has left."""
+        deadline = time.monotonic() + max_seconds if max_seconds else None
+        last_reap = 0.0
+        try:
+            while not self._stop:
+                if self.sock.poll(100):
+                    frames = self.sock.recv_multipart()
+                    self.handle(frames)
+                now = time.monotonic()
+                if now - last_reap > 0.5:
+                    self.state.reap(now)
+                    last_reap = now
+                if self.state.done and not self._shutdown_sent:
+                    self.broadcast_shutdown("training finished")
+                if self._shutdown_sent and not self.state.learners:
+                    break
+                if deadline and now > deadline:
+                    log.warning("broker stopping: max_seconds=%s reached", max_seconds)
+                    break
+        finally:
+            self.close()
+
+    def install_signal_handlers(self) -> None:
+        def stop(signum: int, _frame: object) -> None:
+            self._stop = True
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+
+    def close(self) -> None:
+        counters = dict(self.state.counters)
+        self.state.metrics.close(counters)
+        if self.run_dir:
+            summary = {
+                "counters": counters,
+                "versions": self.state.versions,
+                "accepted_groups": len(self.state.accepted_groups),
+                "trained_groups": {m: len(g) for m, g in self.state.trained_groups.items()},
+                "done": self.state.done,
+            }
+            (self.run_dir / "broker_summary.json").write_text(json.dumps(summary, indent=2))
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    def broadcast_shutdown(self, reason: str) -> None:
+        self._shutdown_sent = True
+        for cid in list(self.state.table.actors) + list(self.state.learners):
+            self.send(cid, Shutdown(reason))
+        log.info("shutdown sent: %s", reason)
+
+    # -------------------------------------------------------------- dispatch
+    def send(self, client_id: str, message: object) -> None:
+        try:
+            self.sock.send_multipart([client_id.encode(), encode(message)], flags=zmq.NOBLOCK)  # type: ignore[arg-type]
+        except (zmq.Again, zmq.ZMQError):
+            self.state.counters["send_failed"] += 1
+
+    def refuse(self, identity: bytes, code: str, reason: str) -> None:
+        self.state.counters[f"refused/{code}"] += 1
+        log.warning("refused message from %r: %s: %s", identity[:64], code, reason)
+        # the sender may be gone or unreachable: then there is nothing to answer
+        with contextlib.suppress(zmq.Again, zmq.ZMQError):
+            self.sock.send_multipart(
+                [identity, encode(ErrorReply(code, reason))], flags=zmq.NOBLOCK
+            )
+
+    def handle(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.refuse(frames[0], "bad_frame", f"expected 1 payload frame, got {len(frames) - 1}")
+            return
+        identity, payload = frames
+        try:
+            msg = decode_to_broker(payload)
+            client_id = identity.decode("utf-8", errors="strict")
+            self.dispatch(client_id, msg)
+        except ProtocolError as exc:
+            self.refuse(identity, exc.code, exc.reason)
+        except UnicodeDecodeError:
+            self.refuse(identity, "bad_frame", "client identity is not UTF-8")
+
+    def dispatch(self, cid: str, msg: ToBroker) -> None:
+        now = time.monotonic()
+        st = self.state
+        if isinstance(msg, Hello):
+            self.on_hello(cid, msg, now)
+            return
+        if isinstance(msg, StatusRequest):
+            self.send(cid, st.status(now))
+            return
+        sender = getattr(msg, "client_id", cid)
+        if sender != cid:
+            raise ProtocolError("invalid", f"message says client {sender!r} but comes from {cid!r}")
+        if not st.seen(cid, now):
+            raise ProtocolError(
+                "unknown_client", f"{cid!r} has not said Hello (or was dropped); reconnect"
+            )
+        match msg:
+            case Heartbeat():
+                st.seen(cid, now, msg.versions)
+            case LeaseRequest():
+                validate.check_lease_request(msg, self.limits)
+                self.send(cid, st.lease(cid, msg.max_groups, msg.versions, now))
+            case GroupResult():
+                self.on_group(cid, msg, now)
+            case BatchRequest():
+                self.send(cid, st.batch(msg.model, msg.rank, msg.world_size, msg.version))
+            case StepReport():
+                st.step_report(msg.model, msg.version, msg.metrics)
+            case PublishRequest():
+                plan, joins = st.publish_plan(msg.model, msg.version, msg.store_address)
+                for actor, join in joins:
+                    self.send(actor, join)
+                self.send(cid, plan)
+            case PublishDone():
+                if not msg.ok:
+                    log.warning("publish of %s v%d failed: %s", msg.model, msg.version, msg.error)
+                st.publish_done(msg.model, msg.version, msg.seconds, msg.ok)
+            case WeightsLoaded():
+                if not msg.ok:
+                    log.warning(
+                        "%s failed to load %s v%d: %s", cid, msg.model, msg.version, msg.error
+                    )
+                st.weights_loaded(cid, msg.model, msg.version, msg.ok)
+            case LeaseReturn():
+                log.warning("%s returns leases %s: %s", cid, msg.lease_ids, msg.reason)
+                st.hand_back(cid, msg.lease_ids)
+            case Goodbye():
+                if cid in st.learners:
+                    del st.learners[cid]
+                else:
+                    st.hand_back(cid, msg.lease_ids)
+                    st.drop_actor(cid, "left")
+
+    def on_hello(self, cid: str, msg: Hello, now: float) -> None:
+        st = self.state
+        if msg.protocol_version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                "protocol_version",
+                f"client speaks protocol {msg.protocol_version}, this broker speaks {PROTOCOL_VERSION}; "
+                "run the same drmas version everywhere",
+            )
+        if msg.client_id != cid:
+            raise ProtocolError("invalid", f"Hello says {msg.client_id!r} but comes from {cid!r}")
+        validate.check_hello(msg, self.limits)
+        if msg.role == "actor":
+            why = st.add_actor(cid, msg.host, msg.pid, msg.models, now)
+            if why:
+                raise ProtocolError("invalid", why)
+        elif msg.role == "learner":
+            if len(msg.models) != 1:
+                raise ProtocolError("invalid", "a learner trains exactly one model")
+            st.add_learner(cid, msg.models[0], msg.rank, now)
+        self.send(
+            cid,
+            Welcome(
+                run_id=st.run_id,
+                model_versions=dict(st.versions),
+                agent_models=dict(st.agent_models),
+                heartbeat_interval_s=self.cfg.broker.heartbeat_interval_s,
+            ),
+        )
+
+    def on_group(self, cid: str, msg: GroupResult, now: float) -> None:
+        st = self.state
+        size = st.owned_group_size(cid, msg.lease_id)
+        if size is not None:
+            try:
+                validate.check_group_result(msg, self.limits, size)
+            except ProtocolError:
+                st.hand_back(cid, [msg.lease_id])  # re-issue the task now, not at lease timeout
+                st.counters["groups_invalid"] += 1
+                raise
+        why = st.accept(cid, msg, now)
+        self.send(cid, Accepted(msg.lease_id, accepted=not why, reason=why))

@@ -1,0 +1,385 @@
+"""The broker's whole state and rules, without sockets (drmas/broker/server.py wires it).
+
+Owns: the task source, the lease table, one buffer per model, versions of every model
+and actor, validation rounds, counters. Rules (DESIGN.md §3):
+- admission: train groups in flight + buffered <= (η + 1) · B, and an actor gets a lease
+  only if its weights are fresh enough for the batch that lease will land in;
+- staleness: a slice that would train version v_l more than η after it was generated is
+  dropped when its batch is cut, counted, and its task re-queued;
+- accounting: every accepted group is trained at most once per model (checked).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+from drmas.broker.buffers import ModelBuffer, split_group
+from drmas.broker.evaluation import EvalRound
+from drmas.broker.leases import ActorRecord, LeaseTable
+from drmas.broker.metrics import NullSink, StepMetrics
+from drmas.launch.config import DrmasConfig
+from drmas.protocol.arrays import unpack_ids
+from drmas.protocol.messages import (
+    ActorStatus,
+    BatchShard,
+    GroupResult,
+    JoinWeightGroup,
+    Lease,
+    Leases,
+    ModelStatus,
+    NoBatch,
+    SamplingParams,
+    StatusReply,
+    Task,
+    WeightGroupPlan,
+)
+from drmas.tasks.source import TaskSource
+
+log = logging.getLogger("drmas.broker")
+
+
+class BrokerState:
+    def __init__(
+        self,
+        cfg: DrmasConfig,
+        source: TaskSource,
+        metrics: StepMetrics | None = None,
+        run_id: str = "",
+    ) -> None:
+        self.cfg = cfg
+        self.source = source
+        self.run_id = run_id
+        self.started = time.monotonic()
+        self.models = sorted(cfg.models)
+        self.agent_models = {a: cfg.model_of(a) for a in cfg.agents}
+        self.table = LeaseTable(cfg.broker.lease_timeout_s, cfg.group_size)
+        self.buffers = {
+            m: ModelBuffer(
+                m, cfg.batch_groups, cfg.algorithm.max_staleness, cfg.algorithm.advantage
+            )
+            for m in self.models
+        }
+        self.versions = dict.fromkeys(self.models, 0)
+        self.learners: dict[str, tuple[str, int, float]] = {}  # id -> (model, rank, last_seen)
+        self.finished_learners: set[str] = set()
+        self.metrics = metrics or StepMetrics(NullSink(), self.models)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.trained_groups: dict[str, set[int]] = {m: set() for m in self.models}
+        self.accepted_groups: set[int] = set()
+        self.eval_queue: collections.deque[tuple[Task, int]] = collections.deque()
+        self.eval_rounds: dict[int, EvalRound] = {}
+        self.eval_scheduled: set[int] = set()
+        self._publish_seq = 0
+        self.train_sampling = SamplingParams(
+            cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens
+        )
+        self.eval_sampling = SamplingParams(
+            cfg.val.temperature, cfg.val.top_p, cfg.sampling.max_new_tokens
+        )
+
+    # ------------------------------------------------------------ membership
+    def add_actor(self, client_id: str, host: str, pid: int, models: list[str], now: float) -> str:
+        """Register an actor; returns "" or why it is refused."""
+        missing = sorted(set(self.models) - set(models))
+        if missing:
+            return f"an actor must serve every model of the team; missing {missing}"
+        if client_id in self.table.actors:
+            self.drop_actor(client_id, "re-registered")  # a restart under the same id
+        self.table.actors[client_id] = ActorRecord(client_id, host, pid, models, now)
+        self.counters["actors_joined"] += 1
+        return ""
+
+    def add_learner(self, client_id: str, model: str, rank: int, now: float) -> None:
+        self.learners[client_id] = (model, rank, now)
+
+    def seen(self, client_id: str, now: float, versions: dict[str, int] | None = None) -> bool:
+        actor = self.table.actors.get(client_id)
+        if actor is not None:
+            actor.last_seen = now
+            if versions:
+                actor.versions.update({m: v for m, v in versions.items() if m in self.versions})
+            return True
+        if client_id in self.learners:
+            model, rank, _ = self.learners[client_id]
+            self.learners[client_id] = (model, rank, now)
+            return True
+        return False
+
+    def drop_actor(self, client_id: str, why: str) -> None:
+        for record in self.table.remove_actor(client_id):
+            self._requeue(record.task, record.eval_round)
+            self.counters["leases_reissued"] += 1
+        self.counters[f"actors_{why.replace('-', '_')}"] += 1
+        log.info("actor %s removed (%s)", client_id, why)
+
+    def hand_back(self, client_id: str, lease_ids: list[int]) -> None:
+        for lease_id in lease_ids:
+            if self.table.owned(lease_id, client_id):
+                record = self.table.close(lease_id)
+                self._requeue(record.task, record.eval_round)
+                self.counters["leases_handed_back"] += 1
+
+    def reap(self, now: float) -> None:
+        """Drop silent actors and expire old leases; their tasks go back to the queue."""
+        timeout = self.cfg.broker.heartbeat_timeout_s
+        for actor in [a for a in self.table.actors.values() if now - a.last_seen > timeout]:
+            self.drop_actor(actor.client_id, "lost")
+        for lease_id in self.table.expired(now):
+            record = self.table.close(lease_id)
+            self._requeue(record.task, record.eval_round)
+            self.counters["leases_expired"] += 1
+        for cid in [c for c, (_, _, seen) in self.learners.items() if now - seen > timeout]:
+            del self.learners[cid]
+            self.counters["learners_lost"] += 1
+
+    def _requeue(self, task: Task, eval_round: int | None) -> None:
+        if eval_round is None:
+            self.source.requeue(task)
+        else:
+            self.eval_queue.appendleft((task, eval_round))
+
+    # ---------------------------------------------------------------- leases
+    def _buffered(self) -> int:
+        return max(len(b.slices) for b in self.buffers.values())
+
+    def _groups_needed(self) -> int:
+        steps, B = self.cfg.train.steps, self.cfg.batch_groups
+        inflight = self.table.in_flight()
+        return max(
+            steps * B - b.batches_cut * B - len(b.slices) - inflight for b in self.buffers.values()
+        )
+
+    def _refusal(self, actor: ActorRecord) -> str:
+        """Why this actor may not take another training group now ("" = it may)."""
+        eta, B = self.cfg.algorithm.max_staleness, self.cfg.batch_groups
+        if self._groups_needed() <= 0:
+            return "enough groups for train.steps are in flight or buffered"
+        inflight = self.table.in_flight()
+        if inflight + self._buffered() >= (eta + 1) * B:
+            return (
+                f"admission control: {inflight} in flight + {self._buffered()} buffered >= (η+1)·B"
+            )
+        for m, buf in self.buffers.items():
+            target = buf.batches_cut + (inflight + len(buf.slices)) // B
+            held = actor.versions.get(m, 0)
+            if held < target - eta:
+                return f"waiting for weights: actor has {m} v{held}, next batch needs >= v{target - eta}"
+        return ""
+
+    def lease(
+        self, client_id: str, max_groups: int, versions: dict[str, int], now: float
+    ) -> Leases:
+        actor = self.table.actors[client_id]
+        self.seen(client_id, now, versions)
+        out: list[Lease] = []
+        reason = ""
+        while len(out) < max_groups and self.eval_queue:
+            task, step = self.eval_queue[0]
+            if min(actor.versions.get(m, 0) for m in self.models) < step:
+                reason = f"validation at step {step} waits for weights v{step}"
+                break
+            self.eval_queue.popleft()
+            out.append(
+                self.table.issue(
+                    client_id,
+                    task,
+                    self.eval_sampling,
+                    now,
+                    group_size=self.cfg.val.n,
+                    eval_round=step,
+                )
+            )
+        while len(out) < max_groups:
+            reason = self._refusal(actor)
+            if reason:
+                break
+            out.append(
+                self.table.issue(
+                    client_id,
+                    self.source.next_task(),
+                    self.train_sampling,
+                    now,
+                    group_size=self.cfg.group_size,
+                )
+            )
+        if out:
+            self.counters["leases_issued"] += len(out)
+        return Leases(leases=out, retry_after_s=0.0 if out else 0.1, reason=reason)
+
+    def owned_group_size(self, client_id: str, lease_id: int) -> int | None:
+        record = self.table.owned(lease_id, client_id)
+        return record.lease.group_size if record else None
+
+    def accept(self, client_id: str, result: GroupResult, now: float) -> str:
+        """Take a finished group; returns "" or why it was refused (nothing changes then)."""
+        record = self.table.owned(result.lease_id, client_id)
+        if record is None:
+            self.counters["late_results_refused"] += 1
+            return (
+                f"lease {result.lease_id} is not held by {client_id} (expired, revoked or unknown)"
+            )
+        if result.group_id != record.lease.group_id:
+            return f"lease {result.lease_id} is for group {record.lease.group_id}, not {result.group_id}"
+        self.table.close(result.lease_id)
+        actor = self.table.actors[client_id]
+        actor.groups_done += 1
+        actor.episodes_done += len(result.episodes)
+        if record.eval_round is not None:
+            self._record_eval(record.eval_round, record.task, [e.reward for e in result.episodes])
+            return ""
+        self.accepted_groups.add(result.group_id)
+        self.counters["groups_accepted"] += 1
+        self.counters["episodes_accepted"] += len(result.episodes)
+        tokens = sum(len(unpack_ids(s.response_ids)) for e in result.episodes for s in e.steps)
+        self.metrics.count_intake(len(result.episodes), tokens)
+        slices = split_group(
+            result.group_id,
+            record.task,
+            result.episodes,
+            self.agent_models,
+            self.cfg.algorithm.advantage,
+            self.cfg.algorithm.invalid_action_penalty,
+        )
+        for model, part in slices.items():
+            self.buffers[model].add(part)
+        return ""
+
+    # --------------------------------------------------------------- batches
+    def batch(self, model: str, rank: int, world_size: int, version: int) -> BatchShard | NoBatch:
+        self.versions[model] = max(self.versions[model], version)
+        if version >= self.cfg.train.steps:
+            return NoBatch(retry_after_s=0.0, reason="train.steps reached", done=True)
+        buf = self.buffers[model]
+        if version not in buf.cut:
+            for part in buf.drop_stale(version):
+                self.counters["dropped_stale_groups"] += 1
+                self.source.requeue(part.task)
+        batch = buf.batch_for(version, world_size)
+        if batch is None:
+            return NoBatch(
+                retry_after_s=0.05, reason=f"{len(buf.slices)}/{buf.batch_groups} groups buffered"
+            )
+        if len(batch.shards) != world_size:
+            raise ValueError(
+                f"learner of {model} asks with world size {world_size}, batch was cut for {len(batch.shards)}"
+            )
+        if rank == 0 and not batch.stats.get("_sent"):
+            batch.stats["_sent"] = 1.0
+            self.metrics.add(version + 1, {k: v for k, v in batch.stats.items() if k != "_sent"})
+        return batch.shards[rank]
+
+    def step_report(self, model: str, version: int, metrics: dict[str, float]) -> None:
+        self.versions[model] = max(self.versions[model], version)
+        for batch in self.buffers[model].trained(version):
+            for part in batch.slices:
+                if part.group_id in self.trained_groups[model]:
+                    self.counters["groups_trained_twice"] += 1  # must stay 0
+                self.trained_groups[model].add(part.group_id)
+            self.counters[f"batches_trained/{model}"] += 1
+        self.metrics.report(version, model, "step", metrics, dict(self.counters))
+        self._schedule_eval()
+
+    # --------------------------------------------------------------- weights
+    def publish_plan(
+        self, model: str, version: int, store_address: str
+    ) -> tuple[WeightGroupPlan, list[tuple[str, JoinWeightGroup]]]:
+        self._publish_seq += 1
+        members = sorted(a.client_id for a in self.table.actors.values() if model in a.models)
+        name = f"{model}/v{version}/{self._publish_seq}"
+        timeout = self.cfg.weights.timeout_s
+        plan = WeightGroupPlan(model, version, name, members, timeout)
+        joins = [
+            (
+                cid,
+                JoinWeightGroup(
+                    model, version, name, store_address, i + 1, len(members) + 1, timeout
+                ),
+            )
+            for i, cid in enumerate(members)
+        ]
+        if not members:
+            self.publish_done(model, version, 0.0, ok=True)
+        return plan, joins
+
+    def publish_done(self, model: str, version: int, seconds: float, ok: bool) -> None:
+        self.counters["weight_publishes" if ok else "weight_publishes_failed"] += 1
+        self.metrics.report(
+            version, model, "publish", {f"weight_sync_s/{model}": seconds}, dict(self.counters)
+        )
+
+    def weights_loaded(self, client_id: str, model: str, version: int, ok: bool) -> None:
+        actor = self.table.actors.get(client_id)
+        if actor is not None and ok:
+            actor.versions[model] = max(actor.versions.get(model, 0), version)
+        self.counters["weight_loads" if ok else "weight_loads_failed"] += 1
+
+    # ------------------------------------------------------------ validation
+    def _schedule_eval(self) -> None:
+        every, steps = self.cfg.val.every, self.cfg.train.steps
+        if not every:
+            return
+        step = min(self.versions.values())
+        due = [s for s in range(every, step + 1, every)] + ([steps] if step >= steps else [])
+        for s in due:
+            if s not in self.eval_scheduled:
+                self.eval_scheduled.add(s)
+                tasks = self.source.val_tasks(self.cfg.val.num_tasks)
+                self.eval_rounds[s] = EvalRound(s, tasks, self.cfg.val.n, self.cfg.val.k)
+                self.eval_queue.extend((t, s) for t in tasks)
+
+    def _record_eval(self, step: int, task: Task, rewards: list[float]) -> None:
+        rnd = self.eval_rounds.get(step)
+        if rnd is None:
+            return
+        rnd.record(task, rewards)
+        if rnd.complete:
+            self.metrics.write({"step": step, **rnd.metrics()})
+            del self.eval_rounds[step]
+
+    # ----------------------------------------------------------------- state
+    @property
+    def train_done(self) -> bool:
+        return all(v >= self.cfg.train.steps for v in self.versions.values())
+
+    @property
+    def done(self) -> bool:
+        evals_pending = bool(self.eval_rounds) or (
+            self.cfg.val.every > 0 and self.cfg.train.steps not in self.eval_scheduled
+        )
+        return self.train_done and not evals_pending
+
+    def status(self, now: float) -> StatusReply:
+        actors = [
+            ActorStatus(
+                a.client_id,
+                a.host,
+                a.pid,
+                dict(a.versions),
+                len(a.leases),
+                a.groups_done,
+                a.episodes_done,
+                now - a.last_seen,
+            )
+            for a in self.table.actors.values()
+        ]
+        models = {
+            m: ModelStatus(
+                version=self.versions[m],
+                buffered_groups=len(self.buffers[m].slices),
+                batches_cut=self.buffers[m].batches_cut,
+                learner_ranks=sum(1 for mm, _, _ in self.learners.values() if mm == m),
+            )
+            for m in self.models
+        }
+        return StatusReply(
+            run_id=self.run_id,
+            uptime_s=now - self.started,
+            actors=actors,
+            models=models,
+            queued_tasks=len(self.eval_queue),
+            in_flight_groups=self.table.in_flight(),
+            counters=dict(self.counters),
+            done=self.done,
+        )

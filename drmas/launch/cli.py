@@ -1,0 +1,98 @@
+"""`drmas` console command. Parses arguments before importing torch, so --help is instant.
+
+    drmas train   [overrides]                 everything on this machine
+    drmas broker  [overrides] [--config F]    the coordinator (one per run)
+    drmas actor   [overrides] [--config F]    a rollout actor; attach more at any time
+    drmas learner --model M [overrides]       one learner rank (under torchrun for R > 1)
+    drmas status  ADDRESS [--json]            what is attached to a running broker
+
+Overrides use hydra syntax (`train.steps=10 experiment=tiny_math_shared`). `--config`
+loads a resolved RUN_DIR/config.yaml instead of composing configs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="drmas", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def role(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("overrides", nargs="*", help="hydra overrides, e.g. train.steps=10")
+        sp.add_argument(
+            "--config", help="a resolved RUN_DIR/config.yaml to load instead of configs/"
+        )
+        return sp
+
+    role("train", "train on this machine: broker, learners and actors as child processes")
+    role("broker", "run the broker (coordinator)")
+    actor = role("actor", "run one rollout actor")
+    actor.add_argument("--id", default="", help="actor id (default actor-HOST-PID)")
+    learner = role("learner", "run one learner rank (RANK/WORLD_SIZE/MASTER_* from torchrun)")
+    learner.add_argument("--model", required=True, help="which model this learner group trains")
+    status = sub.add_parser("status", help="show actors, versions and counters of a running broker")
+    status.add_argument("address", help="broker address, e.g. tcp://127.0.0.1:5555")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+    return p
+
+
+def _logging(role: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("DRMAS_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "status":
+        from drmas.launch.status import print_status
+
+        return print_status(args.address, as_json=args.json, timeout_s=args.timeout)
+
+    from drmas.launch.config import ConfigError, load_config
+
+    _logging(args.command if args.command != "actor" else f"actor[{args.id}]")
+    try:
+        cfg = load_config(args.overrides, args.config)
+    except ConfigError as exc:
+        print(f"drmas: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "train":
+        from drmas.launch.train import train
+
+        return train(cfg)
+    if args.command == "broker":
+        from drmas.launch.roles import run_broker
+
+        return run_broker(cfg)
+    if args.command == "actor":
+        from drmas.actors.main import run_actor
+
+        run_actor(cfg, args.id)
+        return 0
+    if args.command == "learner":
+        from drmas.learners.main import run_learner
+
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            from drmas.launch.ports import free_port
+
+            os.environ["MASTER_PORT"] = str(cfg.learner.master_port or free_port())
+        run_learner(cfg, args.model, rank, world)
+        return 0
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Single-role entry points that need more than one call (the broker)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from drmas.launch.config import DrmasConfig
+
+log = logging.getLogger("drmas.broker")
+
+
+def run_broker(cfg: DrmasConfig) -> int:
+    from drmas.broker.server import BrokerServer
+
+    run_dir = Path(cfg.run.dir) if cfg.run.dir else None
+    if run_dir:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    server = BrokerServer(cfg, run_dir)
+    server.install_signal_handlers()
+    print(f"drmas broker listening on {server.address}", flush=True)
+    server.serve()
+    return 0

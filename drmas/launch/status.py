@@ -1,0 +1,59 @@
+"""`drmas status ADDRESS`: ask a running broker what is attached."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import msgspec
+
+
+def print_status(address: str, *, as_json: bool, timeout_s: float) -> int:
+    from drmas.protocol.messages import StatusReply, StatusRequest
+    from drmas.transports.channel import BrokerClient, BrokerUnavailable
+
+    client = BrokerClient(address, f"status-{os.getpid()}")
+    try:
+        reply = client.request(StatusRequest(), StatusReply, timeout_s)
+    except BrokerUnavailable as exc:
+        print(f"drmas status: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if as_json:
+        print(json.dumps(msgspec.to_builtins(reply), indent=2, sort_keys=True))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(
+        f"run {reply.run_id}  up {reply.uptime_s:.0f}s  in flight {reply.in_flight_groups} groups"
+        f"  done={reply.done}"
+    )
+    models = Table("model", "version", "buffered groups", "batches cut", "learner ranks")
+    for name, m in sorted(reply.models.items()):
+        models.add_row(
+            name, str(m.version), str(m.buffered_groups), str(m.batches_cut), str(m.learner_ranks)
+        )
+    console.print(models)
+    actors = Table("actor", "host", "pid", "versions", "leases", "groups", "episodes", "last seen")
+    for a in reply.actors:
+        versions = " ".join(f"{k}=v{v}" for k, v in sorted(a.versions.items()))
+        actors.add_row(
+            a.client_id,
+            a.host,
+            str(a.pid),
+            versions,
+            str(a.leases),
+            str(a.groups_done),
+            str(a.episodes_done),
+            f"{a.last_seen_s:.1f}s ago",
+        )
+    console.print(actors)
+    counters = Table("counter", "value")
+    for k, v in sorted(reply.counters.items()):
+        counters.add_row(k, str(v))
+    console.print(counters)
+    return 0

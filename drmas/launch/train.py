@@ -1,0 +1,129 @@
+"""`drmas train`: the whole job on this machine as separate OS processes.
+
+    launcher (this) ── starts ──> broker, learner ranks (per model), actors
+                     ── reads ──> RUN_DIR/metrics.jsonl for the progress display
+
+Order: resolve every model to a checkpoint folder (builtin models are built and
+warm-started once, then cached), write RUN_DIR/config.yaml with concrete paths, ports
+and addresses, start the broker, then learners and actors (which retry their Hello until
+the broker answers). The run ends when every learner has exited 0; any child that fails
+brings everything down (its log tail is printed). Ctrl-C stops all children cleanly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from drmas.launch.config import DrmasConfig, to_yaml
+from drmas.launch.ports import free_port
+from drmas.launch.progress import Progress
+from drmas.launch.supervisor import Supervisor
+
+
+def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path]:
+    """Resolve run folder, model folders, addresses and ports; write config.yaml."""
+    from drmas.models.builtin import resolve_model_path
+
+    run_dir = Path(cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    models = {
+        name: dataclasses.replace(
+            m, path=str(resolve_model_path(m.path, cfg.run.cache_dir or None, m.warmstart))
+        )
+        for name, m in cfg.models.items()
+    }
+    address = cfg.broker.address
+    if address.endswith(":0"):
+        host = address.rsplit(":", 1)[0]
+        address = f"{host}:{free_port(host.split('//')[-1])}"
+    resolved = dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(cfg.run, dir=str(run_dir)),
+        models=models,
+        broker=dataclasses.replace(cfg.broker, address=address),
+    )
+    (run_dir / "config.yaml").write_text(to_yaml(resolved))
+    return resolved, run_dir
+
+
+def start_children(cfg: DrmasConfig, run_dir: Path, sup: Supervisor) -> None:
+    cli = [sys.executable, "-m", "drmas.launch.cli"]
+    config = ["--config", str(run_dir / "config.yaml")]
+    sup.start("broker", "broker", [*cli, "broker", *config])
+    for model in sorted(cfg.models):
+        world = cfg.world_size_of(model)
+        port = str(free_port())
+        for rank in range(world):
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            }
+            sup.start(
+                f"learner-{model}-{rank}",
+                "learner",
+                [*cli, "learner", *config, "--model", model],
+                env,
+            )
+    for i in range(cfg.actor.num_actors):
+        sup.start(f"actor-{i}", "actor", [*cli, "actor", *config, "--id", f"actor-{i}"])
+
+
+def train(cfg: DrmasConfig) -> int:
+    started = time.monotonic()
+    cfg, run_dir = prepare_run(cfg)
+    print(f"drmas train: run folder {run_dir}", flush=True)
+    sup = Supervisor(run_dir / "logs")
+    interrupted = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    progress = Progress(run_dir, list(cfg.agents), cfg.train.steps, enabled=cfg.train.progress)
+    code = 0
+    try:
+        start_children(cfg, run_dir, sup)
+        while True:
+            progress.update()
+            failed = sup.failed()
+            if failed is not None:
+                print(
+                    f"drmas train: {failed.name} exited with code {failed.proc.returncode}; stopping "
+                    f"the run. Last lines of {failed.log_path}:\n{failed.tail()}",
+                    file=sys.stderr,
+                )
+                code = 1
+                break
+            if interrupted:
+                print("drmas train: interrupted; stopping all processes", file=sys.stderr)
+                code = 130
+                break
+            if not sup.alive("learner"):
+                break  # every learner finished its steps and saved its weights
+            time.sleep(0.2)
+        # let the broker finish the final validation round before it is stopped
+        deadline = time.monotonic() + 120
+        while code == 0 and sup.alive("broker") and time.monotonic() < deadline:
+            progress.update()
+            if sup.failed() is not None:
+                break
+            time.sleep(0.2)
+    finally:
+        sup.stop()
+        progress.close()
+    wall = time.monotonic() - started
+    summary = {"wall_s": wall, "exit_code": code, "run_dir": str(run_dir)}
+    (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    if code == 0:
+        print(f"drmas train: done in {wall:.0f}s; weights in {run_dir / 'models'}", flush=True)
+    return code

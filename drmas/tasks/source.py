@@ -1,0 +1,233 @@
+"""The broker's task source: a training cursor over shuffled epochs plus a held-out set.
+
+Training tasks are served epoch by epoch; epoch e visits every training task once in an
+order that is a pure function of (seed, e), so the cursor `(epoch, index)` is all a broker
+needs to save to resume exactly after a restart. Tasks handed back (a dead actor's lease,
+a group dropped as stale) go to the front and are served before the cursor moves on.
+
+Task ids are `{name}:{split}:{i}` (name = `arithmetic` or the file's stem; i = position
+among the file's records or in the generated set), stable across runs and unique across
+the train and validation splits.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import deque
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from drmas.protocol.messages import Task
+from drmas.tasks import arithmetic
+from drmas.tasks.config import TaskConfig
+
+FILE_KINDS = ("jsonl", "parquet")
+
+
+class TaskFileError(ValueError):
+    """A task file cannot be used; the message names the file, the line/row and the key."""
+
+
+class TaskSource:
+    """Serves training tasks in shuffled epochs and a stable held-out list."""
+
+    def __init__(self, cfg: TaskConfig) -> None:
+        self.cfg = cfg
+        self.train, self.val = _build(cfg)
+        if not self.train:
+            raise ValueError(f"task source {cfg.name!r} has no training tasks")
+        self._by_id = {task.task_id: task for task in (*self.train, *self.val)}
+        self._epoch = 0
+        self._index = 0
+        self._order = self._epoch_order(0)
+        self._requeued: deque[Task] = deque()
+
+    # ------------------------------------------------------------------ training
+    def next_task(self) -> Task:
+        """The next training task: a requeued one if any, else the cursor's."""
+        if self._requeued:
+            return self._requeued.popleft()
+        task = self.train[self._order[self._index]]
+        self._index += 1
+        if self._index == len(self.train):
+            self._epoch += 1
+            self._index = 0
+            self._order = self._epoch_order(self._epoch)
+        return task
+
+    def requeue(self, task: Task) -> None:
+        """Put `task` at the front: it is the next one `next_task` returns (the most
+        recently requeued task comes first)."""
+        self._requeued.appendleft(task)
+
+    @property
+    def epoch(self) -> int:
+        """Completed passes over the training set."""
+        return self._epoch
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able cursor; `load_state` on a source built from the same config resumes
+        exactly (requeued tasks included)."""
+        return {
+            "epoch": self._epoch,
+            "index": self._index,
+            "requeued": [task.task_id for task in self._requeued],
+            "num_train": len(self.train),
+            "seed": self.cfg.seed,
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        epoch, index = int(state["epoch"]), int(state["index"])
+        num_train = state.get("num_train", len(self.train))
+        if num_train != len(self.train) or state.get("seed", self.cfg.seed) != self.cfg.seed:
+            raise ValueError(
+                f"task source state is for {num_train} training tasks with seed "
+                f"{state.get('seed')}, this source has {len(self.train)} with seed {self.cfg.seed}"
+            )
+        if epoch < 0 or not (0 <= index < len(self.train)):
+            raise ValueError(f"task source state out of range: epoch {epoch}, index {index}")
+        unknown = [tid for tid in state.get("requeued", []) if tid not in self._by_id]
+        if unknown:
+            raise ValueError(f"task source state requeues unknown task ids {unknown[:5]}")
+        self._epoch, self._index = epoch, index
+        self._order = self._epoch_order(epoch)
+        self._requeued = deque(self._by_id[tid] for tid in state.get("requeued", []))
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.train)))
+        random.Random(f"drmas.tasks:{self.cfg.seed}:{epoch}").shuffle(order)
+        return order
+
+    # ---------------------------------------------------------------- evaluation
+    def val_tasks(self, n: int | None = None) -> list[Task]:
+        """The first `n` held-out tasks (all when n is None or larger than the set)."""
+        return list(self.val if n is None else self.val[:n])
+
+
+# ---------------------------------------------------------------------- building
+def _build(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
+    if cfg.name == "arithmetic":
+        train, val = arithmetic.generate(
+            cfg.num_train, cfg.num_val, cfg.max_operand, cfg.num_ops, cfg.seed
+        )
+        return _arithmetic_tasks(train, "train"), _arithmetic_tasks(val, "val")
+    if cfg.name in FILE_KINDS:
+        if not cfg.train_path:
+            raise ValueError(f"task.name={cfg.name} needs task.train_path")
+        keys = (cfg.question_key, cfg.answer_key, cfg.name)
+        train_tasks = load_file(cfg.train_path, "train", *keys)
+        val_tasks = load_file(cfg.val_path, "val", *keys) if cfg.val_path else []
+        return train_tasks, val_tasks
+    raise ValueError(f"unknown task source {cfg.name!r}; choose arithmetic, jsonl or parquet")
+
+
+def _arithmetic_tasks(problems: list[arithmetic.Problem], split: str) -> list[Task]:
+    return [
+        Task(f"arithmetic:{split}:{i}", p.question, p.answer, "arithmetic")
+        for i, p in enumerate(problems)
+    ]
+
+
+def load_file(
+    path: str | Path, split: str, question_key: str, answer_key: str, default_kind: str = "jsonl"
+) -> list[Task]:
+    """Tasks of a local .jsonl or .parquet file (the suffix decides; else `default_kind`).
+
+    Keys may be dotted paths into nested records (`reward_model.ground_truth`). A row's
+    `data_source` (or `source`) string, when present, becomes the task's source (used to
+    label validation metrics); otherwise the file's stem is."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"task file {path} does not exist")
+    kind = {".jsonl": "jsonl", ".parquet": "parquet"}.get(path.suffix, default_kind)
+    rows = _jsonl_rows(path) if kind == "jsonl" else _parquet_rows(path, question_key, answer_key)
+    tasks = []
+    for i, (where, row) in enumerate(rows):
+        question = _lookup(row, question_key, path, where, "task.question_key")
+        if not isinstance(question, str) or not question.strip():
+            raise TaskFileError(
+                f"{path} {where}: question {question_key!r} must be a non-empty string"
+            )
+        raw_answer = _lookup(row, answer_key, path, where, "task.answer_key")
+        answer = normalise_answer(raw_answer)
+        if not answer:
+            raise TaskFileError(
+                f"{path} {where}: answer {answer_key!r} must be a non-empty string, a number "
+                f"or a non-empty list of them, got {raw_answer!r:.80}"
+            )
+        source = row.get("data_source", row.get("source"))
+        if not isinstance(source, str) or not source:
+            source = path.stem
+        tasks.append(Task(f"{path.stem}:{split}:{i}", question, answer, source))
+    if not tasks:
+        raise TaskFileError(f"task file {path} holds no tasks")
+    return tasks
+
+
+def normalise_answer(value: object) -> str | None:
+    """Gold answer as a string: numbers printed exactly (3.0 -> "3"), a list becomes its
+    first element (math datasets list equivalent forms); None for anything else."""
+    if isinstance(value, (list, tuple)):
+        return normalise_answer(value[0]) if value else None
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return None
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, str):
+        return value.strip()
+    # numpy scalars and arrays from parquet
+    if hasattr(value, "tolist"):
+        return normalise_answer(value.tolist())
+    return None
+
+
+def _lookup(row: Mapping[str, Any], key: str, path: Path, where: str, option: str) -> Any:
+    if key in row:
+        return row[key]
+    node: Any = row
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            raise TaskFileError(
+                f"{path} {where}: missing key {key!r} (keys: {sorted(row)}); set {option}"
+            )
+        node = node[part]
+    return node
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TaskFileError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise TaskFileError(
+                    f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}"
+                )
+            yield f"line {lineno}", row
+
+
+def _parquet_rows(
+    path: Path, question_key: str, answer_key: str
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ImportError(
+            f"reading the parquet task file {path} needs pyarrow: pip install pyarrow"
+        ) from exc
+    table = pq.read_table(path)
+    for key in (question_key, answer_key):
+        if key.split(".")[0] not in table.column_names:
+            raise TaskFileError(f"{path}: no column {key!r} (columns: {table.column_names})")
+    for i, row in enumerate(table.to_pylist()):
+        yield f"row {i}", row

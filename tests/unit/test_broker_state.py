@@ -1,0 +1,138 @@
+"""Broker rules without sockets: admission, freshness, staleness, re-issue, accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from drmas.broker.state import BrokerState
+from drmas.launch.config import load_config
+from drmas.protocol import pack_ids, pack_logprobs
+from drmas.protocol.messages import Episode, GroupResult, NoBatch, Step
+from drmas.tasks.source import TaskSource
+
+
+def make_state(*overrides: str) -> BrokerState:
+    cfg = load_config(
+        ["group_size=2", "batch_groups=2", "train.steps=3", "val.every=0", *overrides]
+    )
+    return BrokerState(cfg, TaskSource(cfg.task))
+
+
+def step(agent: str, version: int = 0, valid: bool = True) -> Step:
+    return Step(
+        agent=agent,
+        model=agent,
+        prompt_ids=pack_ids([1, 2, 3]),
+        response_ids=pack_ids([4, 5]),
+        logprobs=pack_logprobs([-0.5, -0.25]),
+        version=version,
+        valid=valid,
+        finish_reason="stop",
+    )
+
+
+def result(lease, version: int = 0, rewards=(1.0, 0.0), actor: str = "a") -> GroupResult:
+    episodes = [Episode([step("solver", version), step("verifier", version)], r) for r in rewards]
+    return GroupResult(actor, lease.lease_id, lease.group_id, episodes)
+
+
+def test_admission_caps_in_flight_at_eta_plus_one_batches():
+    st = make_state("algorithm.max_staleness=1")
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    leases = st.lease("a", 100, {"solver": 0, "verifier": 0}, 0.0)
+    assert len(leases.leases) == 4  # (η + 1) · B = 2 · 2
+    assert "admission control" in leases.reason
+
+
+def test_synchronous_eta0_waits_for_fresh_weights():
+    st = make_state("algorithm.max_staleness=0")
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    first = st.lease("a", 100, {"solver": 0, "verifier": 0}, 0.0).leases
+    assert len(first) == 2  # B groups, all for version 0
+    for lease in first:
+        assert st.accept("a", result(lease), 0.0) == ""
+    for model in ("solver", "verifier"):
+        assert st.batch(model, 0, 1, 0).version == 0  # cut for version 0
+    # batch 0 is cut: the next groups train version 1, so a v0 actor must wait
+    refused = st.lease("a", 100, {"solver": 0, "verifier": 0}, 0.0)
+    assert refused.leases == [] and "waiting for weights" in refused.reason
+    fresh = st.lease("a", 100, {"solver": 1, "verifier": 1}, 0.0)
+    assert len(fresh.leases) == 2
+
+
+def test_batch_cut_shards_equal_counts_with_zero_weight_padding():
+    st = make_state("group_size=3")
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    for lease in st.lease("a", 2, {}, 0.0).leases:
+        st.accept("a", result(lease, rewards=(1.0, 0.0, 1.0)), 0.0)
+    shards = [st.batch("solver", r, 4, 0) for r in range(4)]  # 6 solver samples over 4 ranks
+    assert {len(s.samples) for s in shards} == {2}
+    assert sum(sum(s.weights) for s in shards) == 6
+    assert all(s.total_samples == 6 and s.total_tokens == 12 for s in shards)
+    again = st.batch("solver", 1, 4, 0)  # a retried request gets the same shard
+    assert again is shards[1]
+
+
+def test_stale_groups_are_dropped_counted_and_requeued():
+    st = make_state("algorithm.max_staleness=0")
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    leases = st.lease("a", 2, {}, 0.0).leases
+    for lease in leases:
+        st.accept("a", result(lease, version=0), 0.0)
+    reply = st.batch("solver", 0, 1, 1)  # learner already at version 1: v0 data is stale
+    assert isinstance(reply, NoBatch)
+    assert st.counters["dropped_stale_groups"] == 2
+    assert st.source.next_task().task_id in {lease.task.task_id for lease in leases}
+
+
+def test_silent_actor_loses_leases_and_its_late_result_is_refused():
+    st = make_state()
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    st.add_actor("b", "h", 2, ["solver", "verifier"], 0.0)
+    lease = st.lease("a", 1, {}, 0.0).leases[0]
+    st.seen("b", 100.0)
+    st.reap(100.0)  # "a" silent for 100 s > heartbeat_timeout_s
+    assert "a" not in st.table.actors and st.counters["leases_reissued"] == 1
+    again = st.lease("b", 1, {}, 100.0).leases[0]
+    assert again.task.task_id == lease.task.task_id and again.group_id != lease.group_id
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 101.0)  # comes back, sends the old result
+    assert "not held" in st.accept("a", result(lease, actor="a"), 101.0)
+    assert st.accept("b", result(again, actor="b"), 101.0) == ""
+    assert st.accepted_groups == {again.group_id}
+
+
+def test_every_accepted_group_is_trained_once_per_model():
+    st = make_state("train.steps=2")
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    for version in range(2):
+        leases = st.lease("a", 2, {"solver": version, "verifier": version}, 0.0).leases
+        for lease in leases:
+            st.accept("a", result(lease, version=version), 0.0)
+        for model in ("solver", "verifier"):
+            assert st.batch(model, 0, 1, version).version == version
+            st.step_report(model, version + 1, {})
+    assert st.counters["groups_trained_twice"] == 0
+    assert st.trained_groups["solver"] == st.trained_groups["verifier"] == st.accepted_groups
+    assert len(st.accepted_groups) == 4 and st.train_done
+    assert st.batch("solver", 0, 1, 2).done
+
+
+def test_actor_must_serve_every_model():
+    st = make_state()
+    assert "missing ['verifier']" in st.add_actor("a", "h", 1, ["solver"], 0.0)
+
+
+@pytest.mark.parametrize("mode", ["global", "agent"])
+def test_group_advantages_reach_the_samples(mode):
+    st = make_state(f"algorithm.advantage.mode={mode}")
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    for lease in st.lease("a", 2, {}, 0.0).leases:
+        st.accept("a", result(lease, rewards=(1.0, 0.0)), 0.0)
+    shard = st.batch("solver", 0, 1, 0)
+    # rewards (1, 0) in each group: unbiased std = 0.7071, advantages ±0.7071
+    assert sorted(round(s.advantage, 4) for s in shard.samples) == [
+        -0.7071,
+        -0.7071,
+        0.7071,
+        0.7071,
+    ]
