@@ -1,2 +1,3 @@
 """drmas: asynchronous actor-learner RL for multi-agent LLM workflows (Dr. MAS)."""
+
 __version__ = "0.1.0"

@@ -72,7 +72,7 @@ class Actor:
             engine = make_engine(model, self.cfg.models[model].path, engine_cfg)
             await engine.start()
             self.engines[model] = engine
-        tokenizers = {m: getattr(e, "tokenizer") for m, e in self.engines.items()}
+        tokenizers = {m: e.tokenizer for m, e in self.engines.items()}
         agent_models = {a: self.cfg.model_of(a) for a in self.cfg.agents}
         self.workflow = MathWorkflow(self.cfg.workflow, agent_models, self.engines, tokenizers)
         log.info("actor %s serving %s (run %s)", self.id, self.models, welcome.run_id)
@@ -156,24 +156,25 @@ class Actor:
             join = self.joins.pop(0)
             engine = self.engines[join.model]
             start = time.monotonic()
+            ok, error, digest = True, "", ""
             await engine.pause()
             try:
                 self.receiver.receive_into(
                     join, lambda tensors, e=engine, v=join.version: e.load_weights(tensors, v)
                 )
-                ok, error = True, ""
-            except (
-                Exception
-            ) as exc:  # a failed sync must not kill the actor: it re-syncs next version
+                same_dtype = self.cfg.actor.engine.dtype == self.cfg.models[join.model].dtype
+                if self.cfg.weights.verify_digest and same_dtype:
+                    digest = engine.weights_digest()
+            except Exception as exc:  # a failed sync must not kill the actor: it re-syncs later
                 ok, error = False, f"{type(exc).__name__}: {exc}"
                 log.error("weight sync %s failed: %s", join.group_name, error)
             finally:
                 await engine.resume()
+            seconds = time.monotonic() - start
             self.client.send(
-                WeightsLoaded(
-                    self.id, join.model, join.version, time.monotonic() - start, ok, error
-                )
+                WeightsLoaded(self.id, join.model, join.version, seconds, ok, error, digest)
             )
+            self.receiver.release()  # group teardown after generation resumed
 
     # --------------------------------------------------------------- cleanup
     async def stop(self) -> None:

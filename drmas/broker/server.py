@@ -132,6 +132,7 @@ class BrokerServer:
                 "versions": self.state.versions,
                 "accepted_groups": len(self.state.accepted_groups),
                 "trained_groups": {m: len(g) for m, g in self.state.trained_groups.items()},
+                "leases": self.state.lease_accounting(),
                 "done": self.state.done,
             }
             (self.run_dir / "broker_summary.json").write_text(json.dumps(summary, indent=2))
@@ -210,13 +211,13 @@ class BrokerServer:
             case PublishDone():
                 if not msg.ok:
                     log.warning("publish of %s v%d failed: %s", msg.model, msg.version, msg.error)
-                st.publish_done(msg.model, msg.version, msg.seconds, msg.ok)
+                st.publish_done(msg.model, msg.version, msg.seconds, msg.ok, msg.digest)
             case WeightsLoaded():
                 if not msg.ok:
                     log.warning(
                         "%s failed to load %s v%d: %s", cid, msg.model, msg.version, msg.error
                     )
-                st.weights_loaded(cid, msg.model, msg.version, msg.ok)
+                st.weights_loaded(cid, msg.model, msg.version, msg.ok, msg.digest)
             case LeaseReturn():
                 log.warning("%s returns leases %s: %s", cid, msg.lease_ids, msg.reason)
                 st.hand_back(cid, msg.lease_ids)

@@ -72,6 +72,9 @@ class BrokerState:
         self.eval_rounds: dict[int, EvalRound] = {}
         self.eval_scheduled: set[int] = set()
         self._publish_seq = 0
+        # (model, version) -> learner's fingerprint / actors' fingerprints, until compared
+        self.sent_digest: dict[tuple[str, int], str] = {}
+        self.loaded_digest: dict[tuple[str, int], dict[str, str]] = {}
         self.train_sampling = SamplingParams(
             cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens
         )
@@ -227,6 +230,7 @@ class BrokerState:
         actor.groups_done += 1
         actor.episodes_done += len(result.episodes)
         if record.eval_round is not None:
+            self.counters["eval_groups_accepted"] += 1
             self._record_eval(record.eval_round, record.task, [e.reward for e in result.episodes])
             return ""
         self.accepted_groups.add(result.group_id)
@@ -303,17 +307,49 @@ class BrokerState:
             self.publish_done(model, version, 0.0, ok=True)
         return plan, joins
 
-    def publish_done(self, model: str, version: int, seconds: float, ok: bool) -> None:
+    def publish_done(
+        self, model: str, version: int, seconds: float, ok: bool, digest: str = ""
+    ) -> None:
         self.counters["weight_publishes" if ok else "weight_publishes_failed"] += 1
+        if ok and digest:
+            self.sent_digest[(model, version)] = digest
+            self._compare_digests(model, version)
         self.metrics.report(
             version, model, "publish", {f"weight_sync_s/{model}": seconds}, dict(self.counters)
         )
 
-    def weights_loaded(self, client_id: str, model: str, version: int, ok: bool) -> None:
+    def weights_loaded(
+        self, client_id: str, model: str, version: int, ok: bool, digest: str = ""
+    ) -> None:
         actor = self.table.actors.get(client_id)
         if actor is not None and ok:
             actor.versions[model] = max(actor.versions.get(model, 0), version)
         self.counters["weight_loads" if ok else "weight_loads_failed"] += 1
+        if ok and digest:
+            self.loaded_digest.setdefault((model, version), {})[client_id] = digest
+            self._compare_digests(model, version)
+
+    def _compare_digests(self, model: str, version: int) -> None:
+        """Actors must hold bit for bit what the learner sent (counted, logged)."""
+        sent = self.sent_digest.get((model, version))
+        if sent is None:
+            return
+        for actor, got in self.loaded_digest.pop((model, version), {}).items():
+            if got == sent:
+                self.counters["weight_digest_match"] += 1
+            else:
+                self.counters["weight_digest_mismatch"] += 1
+                log.error(
+                    "%s holds %s v%d with digest %s, learner sent %s",
+                    actor,
+                    model,
+                    version,
+                    got,
+                    sent,
+                )
+        # keep only recent versions (late loads of old versions are not compared)
+        for key in [k for k in self.sent_digest if k[0] == model and k[1] < version - 2]:
+            del self.sent_digest[key]
 
     # ------------------------------------------------------------ validation
     def _schedule_eval(self) -> None:
@@ -339,6 +375,22 @@ class BrokerState:
             del self.eval_rounds[step]
 
     # ----------------------------------------------------------------- state
+    def lease_accounting(self) -> dict[str, int]:
+        """Every issued lease ended exactly one way (or is still out): `balanced` must be 1."""
+        c = self.counters
+        ended = {
+            "accepted": c["groups_accepted"] + c["eval_groups_accepted"],
+            "reissued": c["leases_reissued"],
+            "handed_back": c["leases_handed_back"],
+            "expired": c["leases_expired"],
+            "outstanding": len(self.table.leases),
+        }
+        ended["issued"] = c["leases_issued"]
+        ended["balanced"] = int(
+            c["leases_issued"] == sum(v for k, v in ended.items() if k != "issued")
+        )
+        return ended
+
     @property
     def train_done(self) -> bool:
         return all(v >= self.cfg.train.steps for v in self.versions.values())

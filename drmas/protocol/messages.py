@@ -234,6 +234,7 @@ class WeightsLoaded(_Msg, tag="weights_loaded"):
     seconds: float
     ok: bool = True
     error: str = ""
+    digest: str = ""  # fingerprint of the engine's weights after loading ("" = not computed)
 
 
 # learner rank 0 -> broker after the broadcast of a WeightGroupPlan.
@@ -244,6 +245,7 @@ class PublishDone(_Msg, tag="publish_done"):
     bytes: int
     ok: bool = True
     error: str = ""
+    digest: str = ""  # fingerprint of the weights sent ("" = not computed)
 
 
 # ------------------------------------------------------------------- control

@@ -17,3 +17,5 @@ class WeightSyncConfig:
     """auto: nccl when the learner is on CUDA, else gloo."""
     host: str = "127.0.0.1"
     """Address the learner's weight-group store binds and advertises."""
+    verify_digest: bool = True
+    """Fingerprint weights on both sides of every publish; the broker compares them."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +43,7 @@ class Engine(Protocol):
 
     model_name: str
     version: int
+    tokenizer: Any  # the model's Hugging Face tokenizer (workflows build prompts with it)
 
     async def start(self) -> None:
         """Load the model and start the scheduling loop."""
@@ -61,6 +62,11 @@ class Engine(Protocol):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy received tensors (Hugging Face parameter names) into the model; call only
         while paused. Sets `version`."""
+
+    def weights_digest(self) -> str:
+        """drmas.transports.digest fingerprint of the weights the engine generates with
+        ("" if the engine cannot read them back); compared by the broker with the learner's."""
+        ...
 
     async def close(self) -> None:
         """Stop the loop; pending requests fail with RuntimeError."""

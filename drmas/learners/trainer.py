@@ -1,0 +1,336 @@
+"""One learner rank of one model: FSDP2-sharded policy, PPO step, full-weight gathering.
+
+Every public method except `param_specs` is a collective of the model's learner group:
+all ranks call it, in the same order, or the group hangs until its timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from drmas.learners.batching import MicroBatch, empty_micro_batch, split_by_agent
+from drmas.learners.loss import policy_loss, token_logprobs_and_entropy
+from drmas.protocol.arrays import unpack_ids
+from drmas.protocol.messages import BatchShard
+from drmas.transports.weights import TensorSpec
+
+if TYPE_CHECKING:
+    from drmas.launch.config import DrmasConfig
+
+log = logging.getLogger("drmas.learner")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Prefixes wrappers put in front of HF parameter names (torch.compile, activation
+# checkpointing, FSDP1); FSDP2 itself keeps names as they are.
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+_WRITTEN_BY_SAVE = ("config.json", "generation_config.json")
+# Metric sums from policy_loss that become per-token means.
+_TOKEN_MEANS = {
+    "pg_clipped_tokens": "clip_frac",
+    "ppo_kl_sum": "ppo_kl",
+    "is_weight_sum": "is_weight",
+    "is_capped_tokens": "is_capped_frac",
+    "entropy_sum": "entropy",
+    "kl_sum": "kl",
+}
+
+
+def _nothing() -> None:
+    pass
+
+
+def hf_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def checkpoint_folder(cfg: DrmasConfig, model: str) -> Path:
+    """The model's HF folder; a builtin:<name> is built once, then taken from the cache."""
+    from drmas.models.builtin import resolve_model_path
+
+    model_cfg = cfg.models[model]
+    return resolve_model_path(model_cfg.path, cfg.run.cache_dir or None, model_cfg.warmstart)
+
+
+def load_causal_lm(folder: Path, dtype: str, device: torch.device) -> PreTrainedModel:
+    lm = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[dtype])
+    lm.to(device)  # type: ignore[arg-type]  # transformers' stub of .to is too narrow
+    return lm
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks to shard one by one (HF causal LMs keep them in model.layers)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no .model.layers to shard")
+    return list(layers)
+
+
+class Trainer:
+    """FSDP2 policy + AdamW for `model`, one optimizer step per batch."""
+
+    def __init__(
+        self,
+        cfg: DrmasConfig,
+        model: str,
+        rank: int,
+        world_size: int,
+        device: torch.device | str,
+        *,
+        entropy_metric: bool | None = None,
+    ) -> None:
+        """`entropy_metric`: also compute the policy entropy for metrics when the loss does
+        not need it; None = only for vocabularies up to 32k, where it is cheap."""
+        self.cfg = cfg
+        self.name = model
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.agents = cfg.agents_of(model)
+        model_cfg = cfg.models[model]
+        self.source = checkpoint_folder(cfg, model)
+        self.loss_cfg = cfg.algorithm.loss
+
+        self.model = load_causal_lm(self.source, model_cfg.dtype, self.device)
+        self.model.train()
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
+        mesh = init_device_mesh(self.device.type, (world_size,))
+        for layer in decoder_layers(self.model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)  # one code path, also for world_size 1
+
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.lr_of(model),
+            weight_decay=model_cfg.weight_decay,
+            betas=(model_cfg.betas[0], model_cfg.betas[1]),
+        )
+        self.reference: PreTrainedModel | None = None
+        if self.loss_cfg.kl_coef > 0:
+            # Frozen and unsharded: only ever run forward under no_grad.
+            self.reference = load_causal_lm(self.source, model_cfg.dtype, self.device)
+            self.reference.eval().requires_grad_(False)
+        if entropy_metric is None:
+            entropy_metric = self.vocab_size <= 32768
+        self.with_entropy = entropy_metric or self.loss_cfg.entropy_coef != 0
+
+    # ------------------------------------------------------------------ training
+    def step(self, shard: BatchShard, tick: Callable[[], None] = _nothing) -> dict[str, float]:
+        """One optimizer step on this rank's shard of a batch; returns the batch's metrics
+        (identical on every rank). `tick` runs before each micro-batch (heartbeats)."""
+        self._check(shard)
+        plan = self._plan(shard)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, torch.Tensor] = {}
+        agent_sq = torch.zeros(len(self.agents), dtype=torch.float64)
+        for a, batches in enumerate(plan.values()):
+            before = self._grad_shards() if self.cfg.learner.per_agent_grad_norm else None
+            for mb in batches:
+                tick()
+                self._forward_backward(mb.to(self.device), shard, sums)
+            if before is not None:
+                agent_sq[a] = self._delta_sq(before)
+        grad_norm = self._clip()
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            log.warning("%s: non-finite gradient norm, optimizer step skipped", self.name)
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._metrics(shard, plan, sums, agent_sq, grad_norm)
+
+    def _check(self, shard: BatchShard) -> None:
+        if (shard.model, shard.rank, shard.world_size) != (self.name, self.rank, self.world_size):
+            raise ValueError(
+                f"shard for {shard.model} rank {shard.rank}/{shard.world_size} reached "
+                f"learner {self.name} rank {self.rank}/{self.world_size}"
+            )
+        if len(shard.weights) != len(shard.samples):
+            raise ValueError(f"{len(shard.weights)} weights for {len(shard.samples)} samples")
+        for s in shard.samples:  # before any collective: a bad id would crash the embedding
+            for raw in (s.prompt_ids, s.response_ids):
+                ids = unpack_ids(raw)
+                if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < self.vocab_size:
+                    raise ValueError(
+                        f"{s.agent} sample has a token id outside [0, {self.vocab_size})"
+                    )
+
+    def _plan(self, shard: BatchShard) -> dict[str, list[MicroBatch]]:
+        """Micro-batches by agent, padded with empty ones so that every rank runs the same
+        number of forward/backward calls per agent (FSDP's collectives must line up)."""
+        plan = split_by_agent(shard, self.agents, self.cfg.learner.micro_batch_size, self.pad_id)
+        counts = torch.tensor([len(plan[a]) for a in self.agents], device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # (on the device: NCCL needs CUDA)
+        for agent, count in zip(self.agents, counts.tolist()):
+            plan[agent] += [empty_micro_batch(agent, self.pad_id)] * (count - len(plan[agent]))
+        return plan
+
+    def _forward_backward(
+        self, mb: MicroBatch, shard: BatchShard, sums: dict[str, torch.Tensor]
+    ) -> None:
+        logits = self._logits(self.model, mb)  # [B, L-1, V]
+        temperature = self.cfg.sampling.temperature
+        logprobs, entropy = token_logprobs_and_entropy(
+            logits, mb.targets, temperature, self.with_entropy
+        )  # [B, L-1] each
+        ref_logprobs = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self._logits(self.reference, mb)
+                ref_logprobs, _ = token_logprobs_and_entropy(
+                    ref_logits, mb.targets, temperature, False
+                )
+        # One optimizer step per batch, so π_old (the policy the batch is trained from) is
+        # exactly the current π_θ before the update: its log-probs are ours, detached.
+        old_logprobs = logprobs.detach()
+        loss, metrics = policy_loss(
+            logprobs,
+            old_logprobs,
+            mb.behaviour_logprobs,
+            mb.advantages,
+            mb.mask,
+            self.loss_cfg,
+            total_tokens=shard.total_tokens,
+            total_samples=shard.total_samples,
+            entropy=entropy,
+            ref_logprobs=ref_logprobs,
+        )
+        # The loss is this micro-batch's share of the global batch loss, so the batch
+        # gradient is the SUM over ranks; FSDP reduce-scatter AVERAGES over ranks.
+        (loss * self.world_size).backward()
+        metrics["loss"] = loss.detach()
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + value.double().cpu()
+
+    @staticmethod
+    def _logits(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        return out.logits[:, :-1]
+
+    def _grad_shards(self) -> list[torch.Tensor | None]:
+        """A copy of this rank's shards of the accumulated gradients."""
+        return [
+            None if p.grad is None else _local(p.grad).detach().clone()
+            for p in self.model.parameters()
+        ]
+
+    def _delta_sq(self, before: list[torch.Tensor | None]) -> float:
+        """Sum of squares (this rank's shards) of what the gradient gained since `before`."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p, old in zip(self.model.parameters(), before):
+            if p.grad is None:
+                continue
+            delta = _local(p.grad).detach().double()
+            if old is not None:
+                delta = delta - old.double()
+            total += delta.square().sum()
+        return float(total)
+
+    def _clip(self) -> float:
+        """Global gradient norm before clipping; clips in place when grad_clip > 0."""
+        max_norm = self.cfg.learner.grad_clip if self.cfg.learner.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _metrics(
+        self,
+        shard: BatchShard,
+        plan: dict[str, list[MicroBatch]],
+        sums: dict[str, torch.Tensor],
+        agent_sq: torch.Tensor,
+        grad_norm: float,
+    ) -> dict[str, float]:
+        keys = sorted(sums)  # the same on every rank: every rank ran the same micro-batches
+        packed = torch.cat([torch.stack([sums[k] for k in keys]), agent_sq]).to(self.device)
+        dist.all_reduce(packed)
+        packed = packed.cpu()
+        totals = dict(zip(keys, packed[: len(keys)].tolist()))
+        m = self.name
+        tokens = max(shard.total_tokens, 1)
+        metrics = {
+            f"loss/{m}": totals.pop("loss"),
+            f"grad_norm/{m}": grad_norm,
+            f"lr/{m}": float(self.optimizer.param_groups[0]["lr"]),
+            f"tokens/{m}": float(shard.total_tokens),
+            f"samples/{m}": float(shard.total_samples),
+        }
+        metrics |= {f"{_TOKEN_MEANS[k]}/{m}": v / tokens for k, v in totals.items()}
+        if self.cfg.learner.per_agent_grad_norm:
+            for agent, sq in zip(self.agents, packed[len(keys) :].tolist()):
+                if plan[agent]:
+                    metrics[f"agent_grad_norm/{agent}"] = math.sqrt(sq)
+        return metrics
+
+    # ------------------------------------------------------------------ weights out
+    def param_specs(self) -> list[TensorSpec]:
+        """(HF name, full shape, dtype) of what full_state_dict_iter yields, in order; local."""
+        return [
+            TensorSpec(hf_name(n), tuple(p.shape), str(p.dtype).removeprefix("torch."))
+            for n, p in self.model.named_parameters()
+        ]
+
+    def full_state_dict_iter(
+        self, device: torch.device | str | None = "cpu"
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) per parameter, gathered one at a time. A collective: every
+        rank must exhaust it; every rank gets the full tensors (only rank 0 needs them).
+        `device` None keeps them where they were gathered (CUDA for an NCCL publish).
+        The tensors never alias the live parameters, so they survive later steps."""
+        for name, param in self.model.named_parameters():
+            value = param.detach()
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            full = full if device is None else full.to(device)
+            if _same_storage(full, _local(value)):  # one rank: "gathering" returns the shard
+                full = full.clone()
+            yield hf_name(name), full
+
+    def save_pretrained(self, out_dir: Path | str) -> None:
+        """Collective: gather the weights; rank 0 writes an HF folder (config, weights and
+        the source folder's tokenizer files, when it has any)."""
+        state = {}
+        for name, tensor in self.full_state_dict_iter("cpu"):
+            if self.rank == 0:
+                state[name] = tensor
+        if self.rank == 0:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(out, state_dict=state)
+            _copy_tokenizer_files(self.source, out)
+            log.info("saved %s to %s", self.name, out)
+        dist.barrier()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _copy_tokenizer_files(source: Path, out: Path) -> None:
+    if not source.is_dir():
+        return
+    for path in source.iterdir():
+        if not path.is_file() or path.name.endswith(_WEIGHT_FILES):
+            continue
+        if path.name in _WRITTEN_BY_SAVE or (out / path.name).exists():
+            continue
+        shutil.copy2(path, out / path.name)

@@ -1,0 +1,163 @@
+"""Faults during a real run: an actor SIGKILLed mid-run, garbage and malformed frames."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import yaml
+import zmq
+
+from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode, pack_ids, pack_logprobs
+from drmas.protocol.messages import (
+    Episode,
+    ErrorReply,
+    GroupResult,
+    Hello,
+    LeaseRequest,
+    Leases,
+    Step,
+    Welcome,
+)
+from tests.integration.conftest import FAST, REPO, drmas, read_summary
+
+pytestmark = pytest.mark.slow
+
+
+def start_train(run_dir: Path, cache: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "drmas.launch.cli", "train", *FAST, *extra,
+         f"run.dir={run_dir}", f"run.cache_dir={cache}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+
+
+def broker_address(run_dir: Path, timeout: float = 240) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = run_dir / "config.yaml"
+        if path.exists():
+            return yaml.safe_load(path.read_text())["broker"]["address"]
+        time.sleep(0.5)
+    raise TimeoutError("drmas train wrote no config.yaml")
+
+
+def status(address: str) -> dict:
+    out = drmas("status", address, "--json", timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise TimeoutError(what)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def test_actor_killed_mid_run_loses_nothing(tmp_path: Path, model_cache: Path) -> None:
+    run_dir = tmp_path / "run"
+    train = start_train(run_dir, model_cache, "train.steps=6", "actor.max_groups=4")
+    extra = None
+    try:
+        address = broker_address(run_dir)
+        extra = subprocess.Popen(
+            [sys.executable, "-m", "drmas.launch.cli", "actor", "--config", str(run_dir / "config.yaml"),
+             "--id", "doomed"],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+        def doomed_holds_leases() -> bool:
+            actors = {a["client_id"]: a for a in status(address)["actors"]}
+            return actors.get("doomed", {}).get("leases", 0) > 0
+
+        wait_for(doomed_holds_leases, 240, "the extra actor never held a lease")
+        extra.send_signal(signal.SIGKILL)  # no Goodbye: only missed heartbeats tell the broker
+        extra.wait(timeout=10)
+        finish(train)
+    finally:
+        for proc in (train, extra):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    summary = read_summary(run_dir)
+    c = summary["counters"]
+    assert c["actors_lost"] == 1 and c["leases_reissued"] >= 1
+    assert summary["leases"]["balanced"] == 1, summary["leases"]
+    assert c.get("groups_trained_twice", 0) == 0
+    for model in ("solver", "verifier"):
+        assert summary["trained_groups"][model] == 6 * 4  # every batch complete, none twice
+
+
+def bad_step(vocab_id: int) -> Step:
+    return Step(
+        agent="solver", model="solver", prompt_ids=pack_ids([1, 2]), response_ids=pack_ids([vocab_id]),
+        logprobs=pack_logprobs([-0.1]), version=0, valid=True, finish_reason="stop",
+    )  # fmt: skip
+
+
+def test_garbage_frames_are_refused_while_training_goes_on(
+    tmp_path: Path, model_cache: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    train = start_train(run_dir, model_cache, "actor.max_groups=2")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"evil")
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(broker_address(run_dir))
+
+        def ask(*frames: bytes):
+            sock.send_multipart(list(frames))
+            assert sock.poll(30_000), "broker stopped answering"
+            return decode_from_broker(sock.recv())
+
+        assert isinstance(ask(b"\x00\xffgarbage"), ErrorReply)
+        assert ask(msgpack.packb({"type": "launch_missiles"})).code == "bad_frame"
+        assert ask(b"a", b"b").code == "bad_frame"  # two payload frames
+        stranger = ask(encode(LeaseRequest("evil", 1, {})))
+        assert stranger.code == "unknown_client"
+        old = Hello("actor", "evil", PROTOCOL_VERSION + 1, ["solver", "verifier"])
+        refusal = ask(encode(old))
+        assert refusal.code == "protocol_version" and str(PROTOCOL_VERSION) in refusal.reason
+        welcome = ask(encode(Hello("actor", "evil", PROTOCOL_VERSION, ["solver", "verifier"])))
+        assert isinstance(welcome, Welcome)
+        leases = wait_for(
+            lambda: ask(encode(LeaseRequest("evil", 1, {}))).leases,
+            120,
+            "no lease for the evil actor",
+        )
+        lease = leases[0]
+        episodes = [Episode([bad_step(10**6)], 1.0) for _ in range(lease.group_size)]
+        bad = ask(encode(GroupResult("evil", lease.lease_id, lease.group_id, episodes)))
+        assert bad.code == "invalid" and "vocabulary" in bad.reason
+        assert isinstance(ask(encode(LeaseRequest("evil", 1, {}))), (Leases, ErrorReply))
+    finally:
+        sock.close()
+        ctx.term()
+    # the evil actor now goes silent: whatever it holds is re-issued; the run completes
+    finish(train)
+    summary = read_summary(run_dir)
+    c = summary["counters"]
+    assert c["refused/bad_frame"] >= 3
+    assert c["refused/unknown_client"] >= 1 and c["refused/protocol_version"] == 1
+    assert c["refused/invalid"] >= 1 and c["groups_invalid"] == 1
+    assert summary["leases"]["balanced"] == 1, summary["leases"]
+    assert c.get("groups_trained_twice", 0) == 0

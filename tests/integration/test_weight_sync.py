@@ -1,0 +1,192 @@
+"""Weight groups over gloo on loopback: learner rank 0 (this test process) -> receiver
+processes. Checks bit-identical delivery of a mixed bf16/fp32 model, identical bucket
+layouts on both sides, and bounded waits when a peer never comes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from drmas.protocol.messages import JoinWeightGroup
+from drmas.transports.config import WeightSyncConfig
+from drmas.transports.weights import (
+    Header,
+    TensorSpec,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncTimeout,
+    plan_buckets,
+    spec_of,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_state() -> list[tuple[str, torch.Tensor]]:
+    """A real tiny Qwen2's parameters; matrices in bf16, biases and norms in fp32, so the
+    two dtypes interleave in name order."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=67,  # odd sizes everywhere
+        hidden_size=48,
+        intermediate_size=100,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config)
+    return [
+        (name, p.detach().to(torch.bfloat16 if p.dim() == 2 else torch.float32).clone())
+        for name, p in model.named_parameters()
+    ]
+
+
+def join(sender: WeightSender, group: str, rank: int, world: int, timeout_s: float = 30.0):
+    return JoinWeightGroup("m", 1, group, sender.store_address, rank, world, timeout_s)
+
+
+def receive_worker(joins: list[JoinWeightGroup], out: str) -> None:
+    """A receiver process: joins each group in turn, records tensors and bucket layout."""
+    torch.set_num_threads(1)
+    receiver = WeightReceiver(WeightSyncConfig())
+    results = []
+    for j in joins:
+        state: dict[str, torch.Tensor] = {}
+        buckets: list[list[str]] = []
+
+        def load(batch, state=state, buckets=buckets) -> None:
+            batch = list(batch)
+            buckets.append([name for name, _ in batch])
+            state.update((name, t.clone()) for name, t in batch)
+
+        stats = receiver.receive_into(j, load)
+        results.append({"state": state, "buckets": buckets, "bytes": stats.bytes})
+    torch.save(results, out)
+
+
+def spawn_receiver(joins: list[JoinWeightGroup], out: Path) -> multiprocessing.Process:
+    proc = multiprocessing.get_context("spawn").Process(
+        target=receive_worker, args=(joins, str(out)), daemon=True
+    )
+    proc.start()
+    return proc
+
+
+def test_bucket_plan_is_shared_and_sound() -> None:
+    shapes = [(7, 3), (5,), (11, 13), (1,), (300,), (2, 2, 3), (17,), (9, 9)]
+    dtypes = [
+        "bfloat16",
+        "float32",
+        "bfloat16",
+        "float32",
+        "float32",
+        "bfloat16",
+        "float16",
+        "float32",
+    ]
+    specs = [TensorSpec(f"t{i}", s, d) for i, (s, d) in enumerate(zip(shapes, dtypes))]
+    bucket_bytes = 333  # odd, smaller than the largest tensor (1200 bytes)
+
+    # The receiver plans from the decoded header: same layout as the sender's.
+    header = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(Header(bucket_bytes, specs)), type=Header
+    )
+    plan = plan_buckets(specs, bucket_bytes)
+    assert plan_buckets(header.tensors, header.bucket_bytes) == plan
+
+    seen = [i for bucket in plan for i, _, _ in bucket.members]
+    assert sorted(seen) == list(range(len(specs)))  # every tensor exactly once
+    assert [b.last for b in plan] == sorted(b.last for b in plan)  # sendable while streaming
+    for bucket in plan:
+        assert {specs[i].dtype for i, _, _ in bucket.members} == {bucket.dtype}
+        offsets = [off for _, off, _ in bucket.members]
+        assert offsets == [sum(n for _, _, n in bucket.members[:k]) for k in range(len(offsets))]
+        size = sum(specs[i].nbytes for i, _, _ in bucket.members)
+        assert size <= bucket_bytes or len(bucket.members) == 1
+    # Hand-derived: fp32 tensors t1 (20 B) + t3 (4 B) share a bucket, t4 (1200 B) is alone.
+    assert any([i for i, _, _ in b.members] == [1, 3] for b in plan)
+    assert any([i for i, _, _ in b.members] == [4] for b in plan)
+
+
+def test_two_receivers_get_bit_identical_weights(tmp_path: Path) -> None:
+    state = tiny_state()
+    assert {t.dtype for _, t in state} == {torch.bfloat16, torch.float32}
+    big = WeightSender(WeightSyncConfig(bucket_mb=8.0))
+    small = WeightSender(WeightSyncConfig(bucket_mb=3001 / 2**20))  # many odd-sized buckets
+    groups = [(big, "m-v1"), (small, "m-v2")]
+    procs = [
+        spawn_receiver([join(s, g, rank, 3) for s, g in groups], tmp_path / f"r{rank}.pt")
+        for rank in (1, 2)
+    ]
+    try:
+        specs = [spec_of(n, t) for n, t in state]
+        # Streaming publish: header from specs, tensors pulled one at a time.
+        first = big.publish("m-v1", 3, iter(state), 30.0, specs=specs)
+        second = small.publish("m-v2", 3, state, 30.0)  # materialised, no specs
+        for proc in procs:
+            proc.join(60)
+            assert proc.exitcode == 0
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+
+    total = sum(t.numel() * t.element_size() for _, t in state)
+    assert first.bytes == second.bytes == total
+    assert first.buckets == 2  # one per dtype
+    layouts = {
+        "m-v1": plan_buckets(specs, int(8.0 * 2**20)),
+        "m-v2": plan_buckets(specs, 3001),
+    }
+    assert second.buckets == len(layouts["m-v2"]) > 10
+    for rank in (1, 2):
+        results = torch.load(tmp_path / f"r{rank}.pt", weights_only=False)
+        for (_, group), got in zip(groups, results):
+            assert sorted(got["state"]) == sorted(n for n, _ in state)
+            for name, tensor in state:
+                received = got["state"][name]
+                assert received.dtype == tensor.dtype and torch.equal(received, tensor), name
+            expected = [[specs[i].name for i, _, _ in b.members] for b in layouts[group]]
+            assert got["buckets"] == expected
+            assert got["bytes"] == total
+
+
+def test_missing_receiver_times_out_and_sender_recovers(tmp_path: Path) -> None:
+    sender = WeightSender(WeightSyncConfig())
+    state = [("w", torch.arange(10, dtype=torch.float32)), ("b", torch.ones(3))]
+
+    start = time.monotonic()
+    with pytest.raises(WeightSyncTimeout) as err:
+        sender.publish("m-v7", 2, state, 3.0, peers=["actor-a"])
+    waited = time.monotonic() - start
+    assert 2.5 <= waited < 10.0
+    text = str(err.value)
+    assert "'m-v7'" in text and "rendezvous" in text and "actor-a" in text
+
+    # A receiver sent to a group that is never published gives up just as cleanly.
+    start = time.monotonic()
+    with pytest.raises(WeightSyncTimeout) as err:
+        WeightReceiver().receive_into(join(sender, "m-v8", 1, 2, timeout_s=2.0), lambda _: None)
+    assert time.monotonic() - start < 8.0
+    assert "'m-v8'" in str(err.value) and "learner rank 0" in str(err.value)
+
+    # The next version forms a fresh group on the same store and goes through.
+    proc = spawn_receiver([join(sender, "m-v9", 1, 2)], tmp_path / "late.pt")
+    try:
+        stats = sender.publish("m-v9", 2, state, 30.0)
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert stats.bytes == 13 * 4
+    got = torch.load(tmp_path / "late.pt", weights_only=False)[0]["state"]
+    assert all(torch.equal(got[n], t) for n, t in state)
