@@ -1,9 +1,12 @@
 """Per-model step buffers and batch cutting (pure logic, no sockets).
 
-A finished group is scored and turned into advantages once (drmas/broker/advantages.py),
-then split into one *slice* per model: the steps of the agents bound to that model.
-Each model's learner takes batches of `batch_groups` slices. Staleness is checked when a
-batch is cut; a slice that is too stale is dropped and reported to the caller.
+A finished group is scored (team reward minus invalid-action penalty per step) and split
+into one *slice* per model: the steps of the agents bound to that model. Each model's
+learner takes batches of `batch_groups` slices. When a batch is cut, advantages are
+computed for all its slices in one vectorised call (drmas/broker/advantages.py), keyed by
+group so statistics stay per group (or pooled, scope=batch). A slice always holds every
+step of its agents in its group, so per-agent statistics are complete. Staleness is
+checked at the cut; a slice that is too stale is dropped and reported to the caller.
 """
 
 from __future__ import annotations
@@ -15,24 +18,23 @@ import numpy as np
 
 from drmas.broker.advantages import compute_advantages
 from drmas.broker.config import AdvantageConfig
-from drmas.protocol.arrays import unpack_ids
-from drmas.protocol.messages import BatchShard, Episode, Sample, Task
+from drmas.protocol.messages import BatchShard, Episode, Sample, Step, Task
 
 
 @dataclass
 class GroupSlice:
-    """The steps of one group that train one model."""
+    """The steps of one group that train one model (advantages come at the cut)."""
 
     group_id: int
     task: Task
-    samples: list[Sample]
-    scores: list[float]  # step score per sample (team reward minus its penalty)
-    rewards: list[float]  # episode team reward per sample
-    episode_ids: list[int]  # episode index within the group per sample
+    steps: list[Step]
+    scores: list[float]  # step score (team reward minus its penalty)
+    rewards: list[float]  # episode team reward per step
+    episode_ids: list[int]  # episode index within the group per step
 
     @property
     def min_version(self) -> int:
-        return min(s.version for s in self.samples)
+        return min(s.version for s in self.steps)
 
 
 @dataclass
@@ -42,83 +44,48 @@ class CutBatch:
     model: str
     version: int
     slices: list[GroupSlice]
+    samples: list[Sample]
     shards: list[BatchShard]
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def score_group(
-    episodes: list[Episode], penalty: float
-) -> tuple[list[tuple[int, int]], np.ndarray]:
-    """Step scores = episode team reward minus penalty for an unparsed action (reference)."""
-    index = [(e, s) for e, ep in enumerate(episodes) for s in range(len(ep.steps))]
-    scores = np.array(
-        [episodes[e].reward - penalty * (not episodes[e].steps[s].valid) for e, s in index],
-        dtype=np.float64,
-    )
-    return index, scores
-
-
 def split_group(
-    group_id: int,
-    task: Task,
-    episodes: list[Episode],
-    agent_models: dict[str, str],
-    adv: AdvantageConfig,
-    penalty: float,
+    group_id: int, task: Task, episodes: list[Episode], agent_models: dict[str, str], penalty: float
 ) -> dict[str, GroupSlice]:
-    """Score a group, compute its advantages (scope=group) and split it per model."""
-    index, scores = score_group(episodes, penalty)
-    agents = [episodes[e].steps[s].agent for e, s in index]
-    advantages = compute_advantages(
-        scores,
-        np.zeros(len(index), dtype=np.int64),
-        np.array([e for e, _ in index]),
-        agents,
-        mode=adv.mode,
-        norm_by_std=adv.norm_by_std,
-        eps=adv.eps,
-        std=adv.std,
-        scope="group",
-    )
+    """Score every step and split the group per model."""
     slices: dict[str, GroupSlice] = {}
-    for (e, s), score, advantage in zip(index, scores, advantages):
-        step = episodes[e].steps[s]
-        model = agent_models[step.agent]
-        part = slices.setdefault(model, GroupSlice(group_id, task, [], [], [], []))
-        part.samples.append(
-            Sample(
-                agent=step.agent,
-                prompt_ids=step.prompt_ids,
-                response_ids=step.response_ids,
-                logprobs=step.logprobs,
-                advantage=float(advantage),
-                version=step.version,
-            )
-        )
-        part.scores.append(float(score))
-        part.rewards.append(episodes[e].reward)
-        part.episode_ids.append(e)
+    for e, episode in enumerate(episodes):
+        for step in episode.steps:
+            model = agent_models[step.agent]
+            part = slices.get(model)
+            if part is None:
+                part = slices[model] = GroupSlice(group_id, task, [], [], [], [])
+            part.steps.append(step)
+            part.scores.append(episode.reward - (0.0 if step.valid else penalty))
+            part.rewards.append(episode.reward)
+            part.episode_ids.append(e)
     return slices
 
 
-def rebatch_advantages(slices: list[GroupSlice], adv: AdvantageConfig) -> None:
-    """scope=batch: recompute advantages per agent over the whole batch (in place)."""
-    samples = [s for sl in slices for s in sl.samples]
-    scores = np.array([x for sl in slices for x in sl.scores])
-    episode_ids = np.array([sl.group_id * 1_000_003 + e for sl in slices for e in sl.episode_ids])
+def batch_samples(slices: list[GroupSlice], adv: AdvantageConfig) -> list[Sample]:
+    """Advantages for every step of the batch in one call, as training samples."""
+    group_ids = np.concatenate([np.full(len(sl.steps), i) for i, sl in enumerate(slices)])
     advantages = compute_advantages(
-        scores,
-        np.zeros(len(samples), dtype=np.int64),
-        episode_ids,
-        [s.agent for s in samples],
+        np.concatenate([sl.scores for sl in slices]),
+        group_ids,
+        np.concatenate([sl.episode_ids for sl in slices]),
+        [step.agent for sl in slices for step in sl.steps],
         mode=adv.mode,
         norm_by_std=adv.norm_by_std,
         eps=adv.eps,
         std=adv.std,
-        scope="batch",
+        scope=adv.scope,
     )
-    for sample, value in zip(samples, advantages):
-        sample.advantage = float(value)
+    steps = [step for sl in slices for step in sl.steps]
+    return [
+        Sample(s.agent, s.prompt_ids, s.response_ids, s.logprobs, float(a), s.version)
+        for s, a in zip(steps, advantages.tolist())
+    ]
 
 
 def shard(model: str, version: int, samples: list[Sample], world_size: int) -> list[BatchShard]:
@@ -126,7 +93,7 @@ def shard(model: str, version: int, samples: list[Sample], world_size: int) -> l
 
     Samples are dealt longest-first round-robin so ranks get similar token counts.
     """
-    total_tokens = sum(len(unpack_ids(s.response_ids)) for s in samples)
+    total_tokens = sum(len(s.response_ids) // 4 for s in samples)
     order = sorted(samples, key=lambda s: -len(s.prompt_ids) - len(s.response_ids))
     per_rank: list[list[Sample]] = [order[r::world_size] for r in range(world_size)]
     width = max(len(p) for p in per_rank)
@@ -149,14 +116,14 @@ def shard(model: str, version: int, samples: list[Sample], world_size: int) -> l
     return shards
 
 
-def batch_stats(slices: list[GroupSlice], version: int) -> dict[str, float]:
+def batch_stats(slices: list[GroupSlice], samples: list[Sample], version: int) -> dict[str, float]:
     """Per-agent reward/score/advantage statistics and staleness of one batch."""
     by_agent: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
     staleness = []
-    for sl in slices:
-        for sample, score, reward in zip(sl.samples, sl.scores, sl.rewards):
-            by_agent[sample.agent].append((reward, score, sample.advantage))
-            staleness.append(version - sample.version)
+    scores = [(score, reward) for sl in slices for score, reward in zip(sl.scores, sl.rewards)]
+    for sample, (score, reward) in zip(samples, scores):
+        by_agent[sample.agent].append((reward, score, sample.advantage))
+        staleness.append(version - sample.version)
     stats: dict[str, float] = {"staleness/mean": float(np.mean(staleness)) if staleness else 0.0}
     if staleness:
         stats["staleness/max"] = float(np.max(staleness))
@@ -202,15 +169,14 @@ class ModelBuffer:
         if len(self.slices) < self.batch_groups:
             return None
         slices = [self.slices.popleft() for _ in range(self.batch_groups)]
-        if self.adv.scope == "batch":
-            rebatch_advantages(slices, self.adv)
-        samples = [s for sl in slices for s in sl.samples]
+        samples = batch_samples(slices, self.adv)
         batch = CutBatch(
             model=self.model,
             version=version,
             slices=slices,
+            samples=samples,
             shards=shard(self.model, version, samples, world_size),
-            stats=batch_stats(slices, version),
+            stats=batch_stats(slices, samples, version),
         )
         self.cut[version] = batch
         self.batches_cut += 1

@@ -100,8 +100,7 @@ class BrokerServer:
         try:
             while not self._stop:
                 if self.sock.poll(100):
-                    frames = self.sock.recv_multipart()
-                    self.handle(frames)
+                    self.drain()
                 now = time.monotonic()
                 if now - last_reap > 0.5:
                     self.state.reap(now)
@@ -115,6 +114,15 @@ class BrokerServer:
                     break
         finally:
             self.close()
+
+    def drain(self, max_messages: int = 256) -> None:
+        """Handle what is queued (up to max_messages, so liveness checks still run)."""
+        for _ in range(max_messages):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self.handle(frames)
 
     def install_signal_handlers(self) -> None:
         def stop(signum: int, _frame: object) -> None:

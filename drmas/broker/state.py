@@ -20,7 +20,6 @@ from drmas.broker.evaluation import EvalRound
 from drmas.broker.leases import ActorRecord, LeaseTable
 from drmas.broker.metrics import NullSink, StepMetrics
 from drmas.launch.config import DrmasConfig
-from drmas.protocol.arrays import unpack_ids
 from drmas.protocol.messages import (
     ActorStatus,
     BatchShard,
@@ -236,14 +235,13 @@ class BrokerState:
         self.accepted_groups.add(result.group_id)
         self.counters["groups_accepted"] += 1
         self.counters["episodes_accepted"] += len(result.episodes)
-        tokens = sum(len(unpack_ids(s.response_ids)) for e in result.episodes for s in e.steps)
+        tokens = sum(len(s.response_ids) // 4 for e in result.episodes for s in e.steps)
         self.metrics.count_intake(len(result.episodes), tokens)
         slices = split_group(
             result.group_id,
             record.task,
             result.episodes,
             self.agent_models,
-            self.cfg.algorithm.advantage,
             self.cfg.algorithm.invalid_action_penalty,
         )
         for model, part in slices.items():

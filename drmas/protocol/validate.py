@@ -51,33 +51,43 @@ def check_lease_request(msg: LeaseRequest, limits: Limits) -> None:
 
 
 def check_step(step: Step, limits: Limits) -> None:
-    model = limits.agent_models.get(step.agent)
-    if model is None:
-        _fail(f"unknown agent {step.agent!r}; agents are {sorted(limits.agent_models)}")
-    if step.model != model:
-        _fail(f"agent {step.agent!r} is bound to model {model!r}, step says {step.model!r}")
-    try:
-        prompt = unpack_ids(step.prompt_ids)
-        response = unpack_ids(step.response_ids)
-        logprobs = unpack_logprobs(step.logprobs)
-    except ValueError as exc:
-        _fail(str(exc))
-    if not (1 <= len(prompt) <= limits.max_prompt_tokens):
-        _fail(f"prompt of {len(prompt)} tokens outside 1..{limits.max_prompt_tokens}")
-    if not (1 <= len(response) <= limits.max_response_tokens):
-        _fail(f"response of {len(response)} tokens outside 1..{limits.max_response_tokens}")
-    if len(logprobs) != len(response):
-        _fail(f"{len(logprobs)} log-probs for {len(response)} response tokens")
-    vocab = limits.vocab_sizes[model]
-    for name, ids in (("prompt", prompt), ("response", response)):
+    check_steps([step], limits)
+
+
+def check_steps(steps: list[Step], limits: Limits) -> None:
+    """Validate many steps with one vectorised pass over their token ids and log-probs."""
+    ids_by_model: dict[str, list[bytes]] = {}
+    logprobs: list[bytes] = []
+    for step in steps:
+        model = limits.agent_models.get(step.agent)
+        if model is None:
+            _fail(f"unknown agent {step.agent!r}; agents are {sorted(limits.agent_models)}")
+        if step.model != model:
+            _fail(f"agent {step.agent!r} is bound to model {model!r}, step says {step.model!r}")
+        p, r, lp = len(step.prompt_ids), len(step.response_ids), len(step.logprobs)
+        for what, size in (("prompt id", p), ("response id", r), ("log-prob", lp)):
+            if size % 4:
+                _fail(f"{what} buffer of {size} bytes is not a multiple of 4")
+        if not (1 <= p // 4 <= limits.max_prompt_tokens):
+            _fail(f"prompt of {p // 4} tokens outside 1..{limits.max_prompt_tokens}")
+        if not (1 <= r // 4 <= limits.max_response_tokens):
+            _fail(f"response of {r // 4} tokens outside 1..{limits.max_response_tokens}")
+        if lp != r:
+            _fail(f"{lp // 4} log-probs for {r // 4} response tokens")
+        if step.version < 0:
+            _fail(f"negative weight version {step.version}")
+        if step.finish_reason not in ("stop", "length"):
+            _fail(f"finish_reason must be 'stop' or 'length', got {step.finish_reason!r}")
+        ids_by_model.setdefault(model, []).extend((step.prompt_ids, step.response_ids))
+        logprobs.append(step.logprobs)
+    for model, chunks in ids_by_model.items():
+        ids = unpack_ids(b"".join(chunks))
+        vocab = limits.vocab_sizes[model]
         if ids.min() < 0 or ids.max() >= vocab:
-            _fail(f"{name} token id outside the vocabulary of {model!r} (size {vocab})")
-    if not np.all(np.isfinite(logprobs)) or logprobs.max() > 0.0:
+            _fail(_which_ids(steps, limits, model, vocab))
+    values = unpack_logprobs(b"".join(logprobs))
+    if not np.isfinite(values).all() or values.max() > 0.0:
         _fail("log-probs must be finite and <= 0")
-    if step.version < 0:
-        _fail(f"negative weight version {step.version}")
-    if step.finish_reason not in ("stop", "length"):
-        _fail(f"finish_reason must be 'stop' or 'length', got {step.finish_reason!r}")
 
 
 def check_group_result(msg: GroupResult, limits: Limits, group_size: int) -> None:
@@ -90,5 +100,18 @@ def check_group_result(msg: GroupResult, limits: Limits, group_size: int) -> Non
             _fail(
                 f"episode {i}: {len(episode.steps)} steps outside 1..{limits.max_steps_per_episode}"
             )
-        for step in episode.steps:
-            check_step(step, limits)
+    check_steps([step for episode in msg.episodes for step in episode.steps], limits)
+
+
+def _which_ids(steps: list[Step], limits: Limits, model: str, vocab: int) -> str:
+    """The refusal reason naming the first step and part with an out-of-vocabulary id."""
+    for i, step in enumerate(steps):
+        if limits.agent_models[step.agent] != model:
+            continue
+        for name, raw in (("prompt", step.prompt_ids), ("response", step.response_ids)):
+            ids = unpack_ids(raw)
+            if ids.min() < 0 or ids.max() >= vocab:
+                return (
+                    f"step {i}: {name} token id outside the vocabulary of {model!r} (size {vocab})"
+                )
+    return f"a token id is outside the vocabulary of {model!r} (size {vocab})"
