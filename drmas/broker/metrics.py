@@ -2,12 +2,14 @@
 
 Line for step s (= model versions after s optimizer steps) is written once every model
 has reported step s and finished publishing its weights: batch statistics (rewards, scores, advantages per agent, staleness),
-learner metrics (loss, grad norms, ...), weight-sync seconds and throughput. Validation
+learner metrics (loss, grad norms, ...), weight-sync seconds and throughput (accepted
+episodes and response tokens per second over the last 30 s). Validation
 results get lines of their own with the step they evaluated.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from pathlib import Path
@@ -43,13 +45,22 @@ class StepMetrics:
         self.pending: dict[int, dict[str, float]] = {}
         self.reported: dict[int, set[tuple[str, str]]] = {}
         self.last_step = 0
-        self._last_flush = time.monotonic()
-        self._episodes = 0
-        self._tokens = 0
+        self.started = time.monotonic()
+        self.window_s = 30.0
+        self._intake: collections.deque[tuple[float, int, int]] = collections.deque()
 
     def count_intake(self, episodes: int, tokens: int) -> None:
-        self._episodes += episodes
-        self._tokens += tokens
+        self._intake.append((time.monotonic(), episodes, tokens))
+
+    def rates(self, now: float) -> tuple[float, float]:
+        """Accepted episodes/s and response tokens/s over the last `window_s` seconds."""
+        while self._intake and now - self._intake[0][0] > self.window_s:
+            self._intake.popleft()
+        span = max(min(self.window_s, now - self.started), 1e-9)
+        return (
+            sum(e for _, e, _ in self._intake) / span,
+            sum(t for _, _, t in self._intake) / span,
+        )
 
     def add(self, step: int, values: dict[str, float]) -> None:
         self.pending.setdefault(step, {}).update(values)
@@ -64,15 +75,10 @@ class StepMetrics:
             self.flush(step, counters)
 
     def flush(self, step: int, counters: dict[str, int]) -> None:
-        now = time.monotonic()
-        dt = max(now - self._last_flush, 1e-9)
         line = {"step": step, **self.pending.pop(step, {})}
-        line["episodes_per_s"] = self._episodes / dt
-        line["tokens_per_s"] = self._tokens / dt
+        line["episodes_per_s"], line["tokens_per_s"] = self.rates(time.monotonic())
         line["dropped_stale_groups"] = counters.get("dropped_stale_groups", 0)
         line["time_s"] = time.time()
-        self._episodes = self._tokens = 0
-        self._last_flush = now
         self.reported.pop(step, None)
         self.last_step = max(self.last_step, step)
         self.sink.write(line)

@@ -107,8 +107,8 @@ class BrokerServer:
                     last_reap = now
                 if self.state.done and not self._shutdown_sent:
                     self.broadcast_shutdown("training finished")
-                if self._shutdown_sent and not self.state.learners:
-                    break
+                if self._shutdown_sent and not self.state.active_learners(now):
+                    break  # every learner said Goodbye (or has been gone for long)
                 if deadline and now > deadline:
                     log.warning("broker stopping: max_seconds=%s reached", max_seconds)
                     break

@@ -132,9 +132,13 @@ class BrokerState:
             record = self.table.close(lease_id)
             self._requeue(record.task, record.eval_round)
             self.counters["leases_expired"] += 1
-        for cid in [c for c, (_, _, seen) in self.learners.items() if now - seen > timeout]:
-            del self.learners[cid]
-            self.counters["learners_lost"] += 1
+        # Learners are never dropped for silence: a rank can be blocked for up to
+        # weights.timeout_s in a weight-group rendezvous. See active_learners().
+
+    def active_learners(self, now: float) -> int:
+        """Learner ranks heard from recently enough to still be working (or saying goodbye)."""
+        grace = self.cfg.broker.heartbeat_timeout_s + self.cfg.weights.timeout_s
+        return sum(now - seen <= grace for _, _, seen in self.learners.values())
 
     def _requeue(self, task: Task, eval_round: int | None) -> None:
         if eval_round is None:
