@@ -28,6 +28,7 @@ from drmas.launch.config import DrmasConfig
 from drmas.protocol.messages import (
     Accepted,
     Episode,
+    ErrorReply,
     Goodbye,
     GroupResult,
     Heartbeat,
@@ -58,29 +59,31 @@ class Actor:
         self.running: dict[int, asyncio.Task[list[Episode]]] = {}
         self.leases: dict[int, Lease] = {}
         self.started_at: dict[int, float] = {}
-        self.joins: list[JoinWeightGroup] = []
+        self.joins: list[tuple[JoinWeightGroup, float]] = []  # (join, when received)
         self.receiver = WeightReceiver()
         self.stopping = ""
         self.heartbeat_s = cfg.broker.heartbeat_interval_s
 
     # ----------------------------------------------------------------- setup
     async def start(self) -> None:
-        welcome = self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
-        self.heartbeat_s = welcome.heartbeat_interval_s
+        """Load every engine first, then say Hello: an actor the broker knows must be able
+        to join a weight group at once (a loading actor would stall everyone's rendezvous)."""
         for model in self.models:
-            engine_cfg = self.cfg.actor.engine
-            engine = make_engine(model, self.cfg.models[model].path, engine_cfg)
+            engine = make_engine(model, self.cfg.models[model].path, self.cfg.actor.engine)
             await engine.start()
             self.engines[model] = engine
         tokenizers = {m: e.tokenizer for m, e in self.engines.items()}
         agent_models = {a: self.cfg.model_of(a) for a in self.cfg.agents}
         self.workflow = MathWorkflow(self.cfg.workflow, agent_models, self.engines, tokenizers)
+        welcome = self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
+        self.heartbeat_s = welcome.heartbeat_interval_s
         log.info("actor %s serving %s (run %s)", self.id, self.models, welcome.run_id)
 
     # ------------------------------------------------------------------ loop
     async def run(self) -> None:
         await self.start()
-        last_beat = last_ask = 0.0
+        beating = asyncio.create_task(self.heartbeats())
+        last_ask = 0.0
         retry_after = 0.0
         try:
             while not self.stopping:
@@ -92,11 +95,9 @@ class Actor:
                 if free > 0 and now - last_ask >= retry_after:
                     retry_after = self.ask_for_leases(free)
                     last_ask = now
-                if now - last_beat >= self.heartbeat_s:
-                    self.client.send(Heartbeat(self.id, self.versions(), len(self.running)))
-                    last_beat = now
                 await asyncio.sleep(0.002 if self.running else 0.02)
         finally:
+            beating.cancel()
             await self.stop()
 
     def versions(self) -> dict[str, int]:
@@ -106,9 +107,14 @@ class Actor:
         while (msg := self.client.recv(timeout_s=0)) is not None:
             match msg:
                 case JoinWeightGroup():
-                    self.joins.append(msg)
+                    self.joins.append((msg, time.monotonic()))
                 case Shutdown():
                     self.stopping = f"broker: {msg.reason}"
+                case ErrorReply(code="unknown_client"):  # dropped (e.g. long silence): rejoin
+                    log.warning("the broker forgot this actor (%s); saying hello again", msg.reason)
+                    self.client.inbox.clear()
+                    self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
+                    return
                 case _:
                     log.debug("ignoring unsolicited %s", type(msg).__name__)
 
@@ -151,16 +157,27 @@ class Actor:
                 log.warning("group %d not accepted: %s", lease.group_id, ack.reason)
 
     async def sync_weights(self) -> None:
-        """Receive every pending weight publish, in arrival order, at a safe point."""
+        """Receive pending weight publishes in arrival order, each at a safe point.
+
+        The receive runs in a worker thread, so the heartbeat task keeps this actor alive
+        at the broker while it waits in a rendezvous. A join superseded by a newer one for
+        the same model, or older than its timeout (its learner has given up), is skipped."""
         while self.joins:
-            join = self.joins.pop(0)
+            join, received = self.joins.pop(0)
+            newer = any(j.model == join.model for j, _ in self.joins)
+            if newer or time.monotonic() - received > join.timeout_s:
+                why = "superseded by a newer publish" if newer else "expired while queued"
+                self.client.send(WeightsLoaded(self.id, join.model, join.version, 0.0, False, why))
+                continue
             engine = self.engines[join.model]
             start = time.monotonic()
             ok, error, digest = True, "", ""
             await engine.pause()
             try:
-                self.receiver.receive_into(
-                    join, lambda tensors, e=engine, v=join.version: e.load_weights(tensors, v)
+                await asyncio.to_thread(
+                    self.receiver.receive_into,
+                    join,
+                    lambda tensors, e=engine, v=join.version: e.load_weights(tensors, v),
                 )
                 same_dtype = self.cfg.actor.engine.dtype == self.cfg.models[join.model].dtype
                 if self.cfg.weights.verify_digest and same_dtype:
@@ -175,6 +192,12 @@ class Actor:
                 WeightsLoaded(self.id, join.model, join.version, seconds, ok, error, digest)
             )
             self.receiver.release()  # group teardown after generation resumed
+
+    async def heartbeats(self) -> None:
+        """Its own task: beats go on while the main loop waits for a weight group."""
+        while True:
+            self.client.send(Heartbeat(self.id, self.versions(), len(self.running)))
+            await asyncio.sleep(self.heartbeat_s)
 
     # --------------------------------------------------------------- cleanup
     async def stop(self) -> None:

@@ -45,6 +45,7 @@ class StepMetrics:
         self.pending: dict[int, dict[str, float]] = {}
         self.reported: dict[int, set[tuple[str, str]]] = {}
         self.last_step = 0
+        self.flushed: set[int] = set()
         self.started = time.monotonic()
         self.window_s = 30.0
         self._intake: collections.deque[tuple[float, int, int]] = collections.deque()
@@ -80,6 +81,7 @@ class StepMetrics:
         line["dropped_stale_groups"] = counters.get("dropped_stale_groups", 0)
         line["time_s"] = time.time()
         self.reported.pop(step, None)
+        self.flushed.add(step)
         self.last_step = max(self.last_step, step)
         self.sink.write(line)
 

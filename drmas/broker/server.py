@@ -160,26 +160,27 @@ class BrokerServer:
         except (zmq.Again, zmq.ZMQError):
             self.state.counters["send_failed"] += 1
 
-    def refuse(self, identity: bytes, code: str, reason: str) -> None:
+    def refuse(self, identity: bytes, code: str, reason: str, refused: str = "") -> None:
         self.state.counters[f"refused/{code}"] += 1
         log.warning("refused message from %r: %s: %s", identity[:64], code, reason)
         # the sender may be gone or unreachable: then there is nothing to answer
         with contextlib.suppress(zmq.Again, zmq.ZMQError):
-            self.sock.send_multipart(
-                [identity, encode(ErrorReply(code, reason))], flags=zmq.NOBLOCK
-            )
+            reply = encode(ErrorReply(code, reason, refused))
+            self.sock.send_multipart([identity, reply], flags=zmq.NOBLOCK)
 
     def handle(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
             self.refuse(frames[0], "bad_frame", f"expected 1 payload frame, got {len(frames) - 1}")
             return
         identity, payload = frames
+        tag = ""
         try:
             msg = decode_to_broker(payload)
+            tag = type(msg).__struct_config__.tag  # type: ignore[assignment]
             client_id = identity.decode("utf-8", errors="strict")
             self.dispatch(client_id, msg)
         except ProtocolError as exc:
-            self.refuse(identity, exc.code, exc.reason)
+            self.refuse(identity, exc.code, exc.reason, tag)
         except UnicodeDecodeError:
             self.refuse(identity, "bad_frame", "client identity is not UTF-8")
 
@@ -212,7 +213,7 @@ class BrokerServer:
             case StepReport():
                 st.step_report(msg.model, msg.version, msg.metrics)
             case PublishRequest():
-                plan, joins = st.publish_plan(msg.model, msg.version, msg.store_address)
+                plan, joins = st.publish_plan(msg.model, msg.version, msg.store_address, now)
                 for actor, join in joins:
                     self.send(actor, join)
                 self.send(cid, plan)

@@ -73,6 +73,8 @@ class BrokerState:
         self._publish_seq = 0
         # (model, version) -> learner's fingerprint / actors' fingerprints, until compared
         self.sent_digest: dict[tuple[str, int], str] = {}
+        self.planned: dict[str, int] = {}  # model -> version of its last weight-group plan
+        self.publishing: dict[str, float] = {}  # model -> deadline of the publish in flight
         self.loaded_digest: dict[tuple[str, int], dict[str, str]] = {}
         self.train_sampling = SamplingParams(
             cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens
@@ -264,8 +266,11 @@ class BrokerState:
                 self.source.requeue(part.task)
         batch = buf.batch_for(version, world_size)
         if batch is None:
+            stale = rank == 0 and bool(self._stale_actors(model, version, time.monotonic()))
             return NoBatch(
-                retry_after_s=0.05, reason=f"{len(buf.slices)}/{buf.batch_groups} groups buffered"
+                retry_after_s=0.05,
+                reason=f"{len(buf.slices)}/{buf.batch_groups} groups buffered",
+                republish=stale,
             )
         if len(batch.shards) != world_size:
             raise ValueError(
@@ -288,11 +293,28 @@ class BrokerState:
         self._schedule_eval()
 
     # --------------------------------------------------------------- weights
+    def _stale_actors(self, model: str, version: int, now: float) -> list[str]:
+        """Actors holding weights older than `version` while no publish of `model` is in
+        flight (a failed sync, or an actor that attached mid-run): they need a re-publish."""
+        if now < self.publishing.get(model, 0.0):
+            return []
+        return sorted(
+            a.client_id
+            for a in self.table.actors.values()
+            if model in a.models and a.versions.get(model, 0) < version
+        )
+
     def publish_plan(
-        self, model: str, version: int, store_address: str
+        self, model: str, version: int, store_address: str, now: float | None = None
     ) -> tuple[WeightGroupPlan, list[tuple[str, JoinWeightGroup]]]:
+        now = time.monotonic() if now is None else now
         self._publish_seq += 1
-        members = sorted(a.client_id for a in self.table.actors.values() if model in a.models)
+        if self.planned.get(model) == version:  # a re-publish: only those who lack it
+            members = self._stale_actors(model, version, now)
+            self.counters["weight_republishes"] += 1
+        else:
+            members = sorted(a.client_id for a in self.table.actors.values() if model in a.models)
+        self.planned[model] = version
         name = f"{model}/v{version}/{self._publish_seq}"
         timeout = self.cfg.weights.timeout_s
         plan = WeightGroupPlan(model, version, name, members, timeout)
@@ -305,7 +327,9 @@ class BrokerState:
             )
             for i, cid in enumerate(members)
         ]
-        if not members:
+        if members:
+            self.publishing[model] = now + timeout + self.cfg.broker.heartbeat_timeout_s
+        else:
             self.publish_done(model, version, 0.0, ok=True)
         return plan, joins
 
@@ -313,12 +337,14 @@ class BrokerState:
         self, model: str, version: int, seconds: float, ok: bool, digest: str = ""
     ) -> None:
         self.counters["weight_publishes" if ok else "weight_publishes_failed"] += 1
+        self.publishing.pop(model, None)
         if ok and digest:
             self.sent_digest[(model, version)] = digest
             self._compare_digests(model, version)
-        self.metrics.report(
-            version, model, "publish", {f"weight_sync_s/{model}": seconds}, dict(self.counters)
-        )
+        if version not in self.metrics.flushed:  # a re-publish of a reported step is not
+            self.metrics.report(  # a new metrics line
+                version, model, "publish", {f"weight_sync_s/{model}": seconds}, dict(self.counters)
+            )
 
     def weights_loaded(
         self, client_id: str, model: str, version: int, ok: bool, digest: str = ""

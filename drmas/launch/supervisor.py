@@ -1,7 +1,8 @@
 """Starts child processes and brings them all down on the first failure.
 
 Each child gets its own process group (start_new_session) and a log file, so stopping a
-child stops everything it started: SIGTERM to the group, wait, then SIGKILL.
+child stops everything it started: SIGTERM to the group, wait, then SIGKILL. Children
+also receive SIGTERM if the launcher itself dies (PR_SET_PDEATHSIG on Linux).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,7 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **(env or {})},
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         child = Child(name, role, proc, log_path)
         self.children.append(child)
@@ -74,6 +77,16 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 _signal_group(child.proc.pid, signal.SIGKILL)
                 child.proc.wait(timeout=5)
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if the launcher dies (even by SIGKILL), so no role
+    outlives `drmas train`. Elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

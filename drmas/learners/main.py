@@ -21,7 +21,7 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -53,7 +53,7 @@ log = logging.getLogger("drmas.learner")
 T = TypeVar("T")
 
 # What rank 0 tells the group after asking the broker for a batch.
-TRAIN, WAIT, STOP = 0, 1, 2
+TRAIN, WAIT, STOP, REPUBLISH = 0, 1, 2, 3
 
 
 def run_learner(cfg: DrmasConfig, model: str, rank: int, world_size: int) -> None:
@@ -92,7 +92,13 @@ def run_learner(cfg: DrmasConfig, model: str, rank: int, world_size: int) -> Non
         )
 
         while version < cfg.train.steps:
-            shard = next_shard(client, cfg, model, rank, world_size, version, beat, device)
+
+            def republish(v: int = version) -> None:
+                publish(client, trainer, sender, model, v, cfg, beat, device)
+
+            shard = next_shard(
+                client, cfg, model, rank, world_size, version, beat, device, republish
+            )
             if shard is None:
                 break
             metrics = trainer.step(shard, tick=beat.maybe_send)
@@ -126,6 +132,7 @@ def next_shard(
     version: int,
     beat: Heartbeats,
     device: torch.device,
+    republish: Callable[[], None],
 ) -> BatchShard | None:
     """This rank's shard for `version`, or None when the group stops (same on every rank).
 
@@ -141,6 +148,9 @@ def next_shard(
         code = broadcast_int(code, device)
         if code == STOP:
             return None
+        if code == REPUBLISH:  # actors behind (failed sync, late attach): send them `version`
+            republish()
+            continue
         if code == TRAIN:
             return shard if rank == 0 else fetch_cut_shard(client, request, cfg, beat)
         if rank:
@@ -151,7 +161,7 @@ def next_shard(
 def ask_for_batch(
     client: BrokerClient, request: BatchRequest, cfg: DrmasConfig
 ) -> tuple[int, BatchShard | None, float]:
-    """One poll by rank 0: (TRAIN, shard, 0) | (WAIT, None, seconds to wait) | (STOP, None, 0)."""
+    """One poll by rank 0: (TRAIN, shard, 0) | (WAIT, None, seconds) | (STOP | REPUBLISH, None, 0)."""
     if _shutdown_requested(client):
         return STOP, None, 0.0
     reply: BatchShard | NoBatch = client.request(
@@ -162,6 +172,8 @@ def ask_for_batch(
     if reply.done or _shutdown_requested(client):
         log.info("%s: broker says training is over (%s)", request.model, reply.reason)
         return STOP, None, 0.0
+    if reply.republish:
+        return REPUBLISH, None, 0.0
     return WAIT, None, min(max(reply.retry_after_s, cfg.learner.poll_s), 1.0)
 
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 class WarmStartConfig:
     """Supervised warm start of a builtin model, so RL starts between reward 0 and 1."""
 
-    steps: int = 400
+    steps: int = 2000
     """Supervised steps on generated transcripts (0 = none)."""
-    batch_size: int = 64
+    batch_size: int = 8
     """Transcripts per step."""
-    lr: float = 3e-3
+    lr: float = 1.5e-3
     """AdamW learning rate of the warm start."""
 
 

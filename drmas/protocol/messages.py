@@ -189,6 +189,7 @@ class NoBatch(_Msg, tag="no_batch"):
     retry_after_s: float
     reason: str = ""
     done: bool = False
+    republish: bool = False  # some actors hold older weights: publish the current version again
 
 
 # learner rank 0 -> broker after each optimizer step; no reply.
@@ -288,6 +289,7 @@ class StatusReply(_Msg, tag="status_reply"):
 class ErrorReply(_Msg, tag="error"):
     code: str  # "bad_frame" | "protocol_version" | "invalid" | "unknown_client" | ...
     reason: str
+    refused: str = ""  # type tag of the refused message ("" when it could not be decoded)
 
 
 # broker -> actors and learners: training is over, exit cleanly.

@@ -115,9 +115,10 @@ class BrokerClient:
                 continue
             if isinstance(reply, expect):
                 return reply  # type: ignore[return-value]
-            if isinstance(reply, ErrorReply):
+            tag = type(message).__struct_config__.tag  # type: ignore[attr-defined]
+            if isinstance(reply, ErrorReply) and reply.refused in (tag, ""):
                 raise BrokerRefused(f"broker refused {type(message).__name__}: {reply.reason}")
-            self.inbox.append(reply)
+            self.inbox.append(reply)  # unsolicited, or an error about a fire-and-forget message
 
     def hello(
         self, role: Role, models: list[str], *, timeout_s: float, rank: int = 0, world_size: int = 1

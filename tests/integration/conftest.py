@@ -24,6 +24,7 @@ FAST = [
     "models.solver.warmstart.steps=60",
     "models.verifier.warmstart.steps=60",
     "broker.heartbeat_timeout_s=4",
+    "weights.timeout_s=10",
     "train.progress=true",
 ]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from drmas.broker.state import BrokerState
@@ -136,3 +138,27 @@ def test_group_advantages_reach_the_samples(mode):
         0.7071,
         0.7071,
     ]
+
+
+def test_actors_behind_the_learner_get_a_republish_of_its_version():
+    st = make_state("train.steps=10")
+    now = time.monotonic()
+    st.add_actor("a", "h", 1, ["solver", "verifier"], now)
+    st.versions["solver"] = 4
+    st.seen("a", now, {"solver": 2, "verifier": 4})  # its sync of v3 and v4 failed
+    reply = st.batch("solver", 0, 1, 4)
+    assert isinstance(reply, NoBatch) and reply.republish
+    plan, joins = st.publish_plan(
+        "solver", 4, "h:1", now=time.monotonic()
+    )  # first plan of v4: everyone
+    assert plan.members == ["a"] and joins[0][1].rank == 1
+    assert not st.batch("solver", 0, 1, 4).republish  # a publish is in flight
+    st.publish_done("solver", 4, 0.1, ok=False)
+    assert st.batch("solver", 0, 1, 4).republish  # it failed: ask again
+    plan, _ = st.publish_plan(
+        "solver", 4, "h:1", now=time.monotonic()
+    )  # a re-plan: only stale actors
+    assert plan.members == ["a"] and st.counters["weight_republishes"] == 1
+    st.weights_loaded("a", "solver", 4, ok=True)
+    st.publish_done("solver", 4, 0.1, ok=True)
+    assert not st.batch("solver", 0, 1, 4).republish

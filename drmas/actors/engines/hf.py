@@ -1,12 +1,21 @@
-"""The `hf` engine: in-process transformers/torch generation for one model pool.
+"""The embedded engine: in-process transformers + torch, CPU or one GPU.
 
-Who calls it: the actor's workflows (`generate`, from many episode coroutines at once) and
-the actor's weight sync (`pause` / `load_weights` / `resume`). A scheduler task batches
-every pending request into a wave: left-padded prefill with a KV cache, then token-by-token
-sampling (temperature, top-p), yielding to the event loop between decode steps so sockets,
-other episodes and weight syncs keep running. Finished rows are dropped from the batch and
-its KV cache; requests that arrive mid-wave join the next wave (wave-level, not yet
-iteration-level, continuous batching).
+Scheduling is iteration-level (continuous batching, as in Orca/vLLM, over a plain
+transformers DynamicCache). One background task owns the model; each iteration it
+
+1. admits pending requests while the running batch has room: prefills them as their own
+   left-padded batch, samples their first token, and merges their KV cache into the
+   running one (the shorter cache is left-padded along the sequence axis, masked out, and
+   the two are concatenated along the batch axis; every row keeps its own attention mask
+   and position ids, so a row's tokens do not depend on what it was batched with);
+2. runs one decode step for every running row;
+3. drops finished rows (index-select on the cache; leading columns that no live row
+   attends to are cut off), so compute goes to live sequences;
+4. yields to the event loop (`asyncio.sleep(0)`), so the actor's sockets and weight sync
+   run between steps; `pause()` waits for exactly that point.
+
+Model calls run on the event-loop thread: a decode step of the tiny model takes a few
+milliseconds; larger models belong on vllm/sglang.
 """
 
 from __future__ import annotations
@@ -15,10 +24,11 @@ import asyncio
 import contextlib
 import inspect
 import logging
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,199 +36,429 @@ from drmas.actors.config import EngineConfig
 from drmas.actors.engines.base import GenerateRequest, GenerateResult
 from drmas.transports.digest import digest_of
 
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
+
 log = logging.getLogger("drmas.engine.hf")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
-class _Pending:
+@dataclass(eq=False)
+class _Row:
+    """One request from admission to its result."""
+
     request: GenerateRequest
     future: asyncio.Future[GenerateResult]
     version: int = 0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    text: str = ""
-    finish: str = ""
+
+
+@dataclass(eq=False)
+class _Batch:
+    """The running rows and their tensors, all aligned on the batch axis."""
+
+    rows: list[_Row]
+    cache: DynamicCache
+    mask: torch.Tensor
+    """[B, cache_len] long: 1 where the row attends (left padding is 0)."""
+    next_pos: torch.Tensor
+    """[B] long: position id of the token each row feeds next."""
+    last: torch.Tensor
+    """[B] long: the token each row feeds next (its latest sample)."""
+    temperature: torch.Tensor
+    """[B] float32."""
+    top_p: torch.Tensor
+    """[B] float32."""
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(row.request.temperature <= 0 for row in self.rows)
+
+    @property
+    def any_top_p(self) -> bool:
+        return any(row.request.top_p < 1 for row in self.rows)
 
 
 class HFEngine:
+    """Engine protocol (drmas/actors/engines/base.py) over a transformers causal LM."""
+
     def __init__(self, model_name: str, model_path: str | Path, cfg: EngineConfig) -> None:
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"engine dtype {cfg.dtype!r} is not one of {sorted(DTYPES)}")
+        if cfg.max_batch < 1:
+            raise ValueError(f"engine max_batch must be >= 1, got {cfg.max_batch}")
         self.model_name = model_name
-        self.path = Path(model_path)
+        self.model_path = Path(model_path)
         self.cfg = cfg
         self.version = 0
         self.tokenizer: Any = None
-        self.model: Any = None
+        self.model: PreTrainedModel | None = None
         self.eos_token_ids: set[int] = set()
-        self._queue: list[_Pending] = []
-        self._wake = asyncio.Event()
-        self._paused = asyncio.Event()
-        self._paused.set()  # set = running
-        self._idle = asyncio.Event()
+        self.tokens_generated = 0
+        """Tokens sampled since start (all requests): for throughput metrics."""
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        )
+        self._pending: deque[_Row] = deque()
+        self._batch: _Batch | None = None
+        self._merge_ok = True
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._wake = asyncio.Event()
+        self._hold = False
+        self._held = asyncio.Event()
+        self._resumed = asyncio.Event()
         self._generator: torch.Generator | None = None
+        self._cache_kwarg = "cache"
+        self._pad_id = 0
+        self._vocab_size = 0
+
+    # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        self._task = asyncio.create_task(self._loop(), name=f"hf-engine:{self.model_name}")
+        self._task.add_done_callback(self._on_loop_exit)
+
+    def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
+        """A scheduler that died of a bug must not leave callers waiting forever."""
+        if task.cancelled() or task.exception() is None:
+            return
+        error = RuntimeError(f"engine {self.model_name!r} scheduler stopped: {task.exception()!r}")
+        _fail(list(self._pending) + (self._batch.rows if self._batch else []), error)
+        self._pending.clear()
+        self._batch = None
+
+    def _load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        device = self.cfg.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[self.cfg.dtype])
-        self.model.to(self.device).eval().requires_grad_(False)
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        eos = self.model.generation_config.eos_token_id
-        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=DTYPES[self.cfg.dtype]
+        )
+        model.to(self.device).eval().requires_grad_(False)
+        self.model = model
+        eos = model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.pad_id = self.tokenizer.pad_token_id
-        if self.pad_id is None:
-            self.pad_id = next(iter(self.eos_token_ids), 0)
-        self._generator = torch.Generator(self.device).manual_seed(self.cfg.seed)
-        self._task = asyncio.create_task(self._loop())
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        if self._task is None or self._task.done():
-            raise RuntimeError("engine not running")
-        if not request.prompt_ids:
-            raise ValueError("empty prompt")
-        future: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(request, future))
-        self._wake.set()
-        return await future
-
-    async def pause(self) -> None:
-        self._paused.clear()
-        await asyncio.sleep(0)  # the scheduler checks between decode steps
-
-    async def resume(self) -> None:
-        self._paused.set()
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                target = params.get(name)
-                if target is None:
-                    raise KeyError(f"{self.model_name}: no parameter named {name!r} in the engine")
-                if target.shape != tensor.shape:
-                    raise ValueError(
-                        f"{self.model_name}: {name} has shape {tuple(target.shape)}, "
-                        f"received {tuple(tensor.shape)}"
-                    )
-                target.copy_(tensor)
-        self.version = version
-
-    def weights_digest(self) -> str:
-        return digest_of(self.model.named_parameters())
+            eos_ids.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos_ids
+        pad = self.tokenizer.pad_token_id
+        self._pad_id = pad if pad is not None else min(eos_ids, default=0)
+        self._vocab_size = model.get_input_embeddings().weight.shape[0]
+        # transformers 5 renamed the forward argument `past_key_values` to `cache`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(self.cfg.seed)
+        log.info(
+            "%s: loaded %s on %s (%s), eos ids %s",
+            self.model_name,
+            self.model_path,
+            self.device,
+            self.cfg.dtype,
+            sorted(eos_ids),
+        )
 
     async def close(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for p in self._queue:
-            if not p.future.done():
-                p.future.set_exception(RuntimeError("engine closed"))
-        self._queue.clear()
+            self._task = None
+        error = RuntimeError("engine closed")
+        rows = list(self._pending) + (self._batch.rows if self._batch else [])
+        self._pending.clear()
+        self._batch = None
+        _fail(rows, error)
 
-    # ------------------------------------------------------------- scheduler
+    @property
+    def num_running(self) -> int:
+        """Sequences in the running batch."""
+        return len(self._batch.rows) if self._batch else 0
+
+    @property
+    def num_pending(self) -> int:
+        """Requests waiting for room in the running batch."""
+        return len(self._pending)
+
+    # ---------------------------------------------------------------- requests
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if self._closed:
+            raise RuntimeError("engine closed")
+        if self._task is None:
+            raise RuntimeError(f"engine {self.model_name!r}: call start() before generate()")
+        if self._task.done():
+            raise RuntimeError(f"engine {self.model_name!r}: scheduler stopped")
+        if not request.prompt_ids:
+            raise ValueError("empty prompt")
+        if request.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self._vocab_size:
+            raise ValueError(f"prompt token id outside the vocabulary [0, {self._vocab_size})")
+        if request.max_new_tokens == 0:
+            return GenerateResult([], [], "length", self.version)
+        future: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Row(request, future))
+        self._wake.set()
+        return await future
+
+    async def pause(self) -> None:
+        self._hold = True
+        self._resumed.clear()
+        if self._task is None or self._task.done():
+            return
+        self._wake.set()
+        await self._held.wait()
+
+    async def resume(self) -> None:
+        self._hold = False
+        self._resumed.set()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy by Hugging Face name (both names of tied weights are accepted). Stops at the
+        first bad tensor; tensors already copied stay, `version` is then left unchanged."""
+        if self.model is None:
+            raise RuntimeError(f"engine {self.model_name!r}: call start() before load_weights()")
+        targets: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(self.model.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = targets.get(name)
+                if target is None:
+                    raise KeyError(f"{self.model_name}: unknown parameter {name!r}")
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"{self.model_name}: parameter {name!r} has shape {tuple(target.shape)}, "
+                        f"received {tuple(tensor.shape)}"
+                    )
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        self.version = version
+
+    def weights_digest(self) -> str:
+        """Fingerprint of the weights generation uses (drmas.transports.digest)."""
+        if self.model is None:
+            return ""
+        return digest_of(self.model.named_parameters())
+
+    # ---------------------------------------------------------------- scheduler
+
     async def _loop(self) -> None:
         while True:
-            if not self._queue:
+            if self._hold:
+                self._held.set()
+                await self._resumed.wait()
+                continue
+            self._held.clear()
+            if not self._pending and self._batch is None:
                 self._wake.clear()
                 await self._wake.wait()
-            await self._paused.wait()
-            wave, self._queue = self._queue[: self.cfg.max_batch], self._queue[self.cfg.max_batch :]
+                continue
+            newcomers = self._take_pending()
             try:
-                await self._run_wave(wave)
-            except Exception as exc:  # fail the requests, keep the engine alive
-                log.exception("generation failed")
-                for p in wave:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
-
-    async def _run_wave(self, wave: list[_Pending]) -> None:
-        for p in wave:
-            p.version = self.version
-        n = len(wave)
-        lengths = [len(p.request.prompt_ids) for p in wave]
-        width = max(lengths)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(wave):
-            ids[i, width - lengths[i] :] = torch.tensor(p.request.prompt_ids)
-            mask[i, width - lengths[i] :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        temps = torch.tensor([p.request.temperature for p in wave], device=self.device)
-        top_ps = torch.tensor([p.request.top_p for p in wave], device=self.device)
-        rows = list(range(n))  # wave index of each row still in the batch
-        cache = None
-        step_ids, step_pos = ids, positions
-        max_new = max(p.request.max_new_tokens for p in wave)
-        # no grad-mode context may span an `await`: other coroutines run in between
-        for _ in range(max_new):
-            with torch.no_grad():
-                out = self.model(
-                    input_ids=step_ids,
-                    attention_mask=mask,
-                    position_ids=step_pos,
-                    use_cache=True,
-                    **{self._cache_kw: cache},
-                )
-                cache = out.past_key_values
-                tokens, logprobs = self._sample(out.logits[:, -1, :].float(), temps, top_ps)
-            keep = [
-                r for r, i in enumerate(rows) if not self._append(wave[i], tokens[r], logprobs[r])
-            ]
-            if not keep:
-                return
-            if len(keep) < len(rows):  # drop finished rows: compute goes to live sequences
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                rows = [rows[r] for r in keep]
-                tokens, mask, step_pos = tokens[index], mask[index], step_pos[index]
-                temps, top_ps = temps[index], top_ps[index]
-            step_ids = tokens.view(-1, 1)
-            ones = torch.ones((len(rows), 1), dtype=mask.dtype, device=self.device)
-            mask = torch.cat([mask, ones], 1)
-            step_pos = step_pos[:, -1:] + 1
+                with torch.inference_mode():
+                    self._step(newcomers)
+            except Exception as exc:
+                log.exception("%s: generation step failed", self.model_name)
+                _fail(newcomers + (self._batch.rows if self._batch else []), exc)
+                self._batch = None
             await asyncio.sleep(0)
-            await self._paused.wait()
 
-    def _append(self, p: _Pending, token_t: torch.Tensor, logprob_t: torch.Tensor) -> bool:
-        """Record one sampled token; resolve the request and return True when it is done."""
-        token = int(token_t)
-        p.tokens.append(token)
-        p.logprobs.append(min(0.0, float(logprob_t)))
-        if token in self.eos_token_ids or (p.request.stop and self._hit_stop(p)):
-            p.finish = "stop"
-        elif len(p.tokens) >= p.request.max_new_tokens:
-            p.finish = "length"
-        if p.finish:
-            p.future.set_result(GenerateResult(p.tokens, p.logprobs, p.finish, p.version))
-        return bool(p.finish)
+    def _take_pending(self) -> list[_Row]:
+        running = self.num_running
+        if running and not self._merge_ok:
+            return []
+        taken: list[_Row] = []
+        while self._pending and running + len(taken) < self.cfg.max_batch:
+            row = self._pending.popleft()
+            if not row.future.done():  # the caller gave up waiting
+                taken.append(row)
+        return taken
 
-    def _hit_stop(self, p: _Pending) -> bool:
-        p.text = self.tokenizer.decode(p.tokens, skip_special_tokens=True)
-        return any(s in p.text for s in p.request.stop)
+    def _step(self, newcomers: list[_Row]) -> None:
+        if newcomers:
+            fresh = self._prefill(newcomers)
+            if fresh is not None:
+                self._batch = fresh if self._batch is None else self._merge(self._batch, fresh)
+        if self._batch is not None:
+            self._decode(self._batch)
 
-    def _sample(
-        self, logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample per row; log-prob of the token under softmax(logits / T) before top-p."""
-        greedy = temps <= 0
-        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-        logp = torch.log_softmax(scaled, dim=-1)
-        probs = logp.exp()
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        keep = (sorted_p.cumsum(-1) - sorted_p) < top_ps.unsqueeze(1)
-        sorted_p = sorted_p * keep
-        choice = torch.multinomial(sorted_p, 1, generator=self._generator).squeeze(1)
-        sampled = order.gather(1, choice.unsqueeze(1)).squeeze(1)
-        tokens = torch.where(greedy, logits.argmax(-1), sampled)
-        return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    def _forward(
+        self, ids: torch.Tensor, batch_mask: torch.Tensor, pos: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        assert self.model is not None
+        out = self.model(
+            input_ids=ids,
+            attention_mask=batch_mask,
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        return out.logits[:, -1].float()
+
+    def _prefill(self, rows: list[_Row]) -> _Batch | None:
+        from transformers import DynamicCache
+
+        assert self.model is not None
+        width = max(len(row.request.prompt_ids) for row in rows)
+        ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            prompt = row.request.prompt_ids
+            ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[i, width - len(prompt) :] = 1
+            row.version = self.version
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        # Same position ids as transformers' generate: 0.. over the real tokens.
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, positions, cache)
+        batch = _Batch(
+            rows=rows,
+            cache=cache,
+            mask=mask,
+            next_pos=mask.sum(-1),
+            last=torch.zeros(len(rows), dtype=torch.long, device=self.device),
+            temperature=torch.tensor(
+                [row.request.temperature for row in rows], dtype=torch.float32, device=self.device
+            ),
+            top_p=torch.tensor(
+                [row.request.top_p for row in rows], dtype=torch.float32, device=self.device
+            ),
+        )
+        self._merge_ok = all(_is_plain_layer(layer) for layer in cache.layers)
+        return self._advance(batch, logits)
+
+    def _decode(self, batch: _Batch) -> None:
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], 1))], dim=1)
+        logits = self._forward(
+            batch.last[:, None], batch.mask, batch.next_pos[:, None], batch.cache
+        )
+        batch.next_pos = batch.next_pos + 1
+        self._batch = self._advance(batch, logits)
+
+    def _sample(self, batch: _Batch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, log-probs) [B]; log-prob = log_softmax(logits / T) before top-p, with
+        T = 1 for greedy rows (T = 0)."""
+        greedy = batch.temperature <= 0
+        temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+        logp = torch.log_softmax(logits / temperature[:, None], dim=-1)
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            probs = logp.exp()
+            if batch.any_top_p:
+                probs = _top_p_filter(probs, batch.top_p)
+            sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
+            tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1).clamp(max=0.0)
+
+    def _advance(self, batch: _Batch, logits: torch.Tensor) -> _Batch | None:
+        """Sample one token per row, resolve finished rows, return the live remainder."""
+        tokens, logprobs = self._sample(batch, logits)
+        batch.last = tokens
+        self.tokens_generated += len(batch.rows)
+        keep: list[int] = []
+        for i, (row, token, logprob) in enumerate(
+            zip(batch.rows, tokens.tolist(), logprobs.tolist())
+        ):
+            if row.future.done():  # cancelled by its caller
+                continue
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            request = row.request
+            if token in self.eos_token_ids or (request.stop and self._hit_stop(row)):
+                reason = "stop"
+            elif len(row.tokens) >= request.max_new_tokens:
+                reason = "length"
+            else:
+                keep.append(i)
+                continue
+            row.future.set_result(GenerateResult(row.tokens, row.logprobs, reason, row.version))
+        if not keep:
+            return None
+        if len(keep) < len(batch.rows):
+            self._select(batch, keep)
+        return batch
+
+    def _hit_stop(self, row: _Row) -> bool:
+        """Decode the tail that could hold a stop string: each token is at least one byte,
+        a character at most four."""
+        stops = row.request.stop
+        window = 4 * max(len(s) for s in stops) + 8
+        text = self.tokenizer.decode(row.tokens[-window:], skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    def _select(self, batch: _Batch, keep: list[int]) -> None:
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        batch.rows = [batch.rows[i] for i in keep]
+        batch.mask = batch.mask.index_select(0, index)
+        batch.next_pos = batch.next_pos.index_select(0, index)
+        batch.last = batch.last.index_select(0, index)
+        batch.temperature = batch.temperature.index_select(0, index)
+        batch.top_p = batch.top_p.index_select(0, index)
+        if not self._merge_ok:
+            batch.cache.batch_select_indices(index)
+            return
+        # Cut the leading columns no live row attends to (left padding of finished rows).
+        start = int(batch.mask.any(dim=0).long().argmax())
+        batch.mask = batch.mask[:, start:]
+        layers: list[Any] = list(batch.cache.layers)
+        for layer in layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, start:]
+            layer.values = layer.values.index_select(0, index)[:, :, start:]
+
+    def _merge(self, old: _Batch, new: _Batch) -> _Batch:
+        """One batch from two: the shorter cache is left-padded with masked zeros."""
+        length = max(old.mask.shape[1], new.mask.shape[1])
+        pairs: list[Any] = list(zip(old.cache.layers, new.cache.layers))
+        for a, b in pairs:
+            a.keys = torch.cat([_pad_left(a.keys, length, 2), _pad_left(b.keys, length, 2)])
+            a.values = torch.cat([_pad_left(a.values, length, 2), _pad_left(b.values, length, 2)])
+        return _Batch(
+            rows=old.rows + new.rows,
+            cache=old.cache,
+            mask=torch.cat([_pad_left(old.mask, length, 1), _pad_left(new.mask, length, 1)]),
+            next_pos=torch.cat([old.next_pos, new.next_pos]),
+            last=torch.cat([old.last, new.last]),
+            temperature=torch.cat([old.temperature, new.temperature]),
+            top_p=torch.cat([old.top_p, new.top_p]),
+        )
+
+
+def _is_plain_layer(layer: Any) -> bool:
+    """Merging and trimming edit keys/values directly: only full-attention dynamic layers
+    (no sliding window, no quantisation) store exactly [B, heads, seq, dim]."""
+    from transformers.cache_utils import DynamicLayer
+
+    return type(layer) is DynamicLayer
+
+
+def _pad_left(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (per row; rows
+    with top_p >= 1 keep everything, even where rounding lifts the cumulative sum past 1)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    limit = torch.where(top_p >= 1, torch.full_like(top_p, float("inf")), top_p)
+    sorted_probs = sorted_probs.masked_fill(mass_before >= limit[:, None], 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def _fail(rows: Iterable[_Row], error: BaseException) -> None:
+    for row in rows:
+        if not row.future.done():
+            row.future.set_exception(error)

@@ -1,0 +1,259 @@
+"""builtin:tiny-qwen2: a real checkpoint folder, a character-level tokenizer, a cache that
+builds once and atomically, and warm-start transcripts in the workflow's exact format."""
+
+from __future__ import annotations
+
+import random
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drmas.actors.workflows import math_prompts as mp
+from drmas.models import builtin
+from drmas.models.config import WarmStartConfig
+
+torch.set_num_threads(1)
+
+TINY = WarmStartConfig(steps=5, batch_size=4, lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cache = tmp_path_factory.mktemp("cache")
+    return builtin.resolve_model_path("builtin:tiny-qwen2", str(cache), TINY)
+
+
+def test_folder_is_a_hugging_face_checkpoint(folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ):
+        assert (folder / name).is_file(), name
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (128, 4, 4)
+    assert (cfg.intermediate_size, cfg.max_position_embeddings) == (512, 512)
+    assert cfg.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert cfg.vocab_size == len(tokenizer) == 3 + 96
+    assert tokenizer.pad_token == "<pad>" and tokenizer.eos_token == "<eos>"
+    assert cfg.eos_token_id == tokenizer.eos_token_id == model.generation_config.eos_token_id
+    assert cfg.pad_token_id == tokenizer.pad_token_id
+    assert 0.5e6 < sum(p.numel() for p in model.parameters()) < 1.2e6
+
+
+def test_tokenizer_is_character_level_and_round_trips(folder: Path) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    text = (
+        "Solve.\nQuestion: 12+7\nSolver: \\boxed{19}\nVerifier: <verify>no</verify>\n"
+        "  two  spaces, trailing space \n\n!?/=:.-{}<>" + "".join(chr(c) for c in range(32, 127))
+    )
+    for tokenizer in (
+        AutoTokenizer.from_pretrained(folder),
+        PreTrainedTokenizerFast.from_pretrained(folder),
+    ):
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        assert len(ids) == len(text)
+        assert len(set(ids)) == len(set(text))  # one id per distinct character
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+        eos = tokenizer.eos_token_id
+        assert (
+            tokenizer.decode([*ids, eos, tokenizer.pad_token_id], skip_special_tokens=True) == text
+        )
+        # Each character alone decodes to itself (incremental decoding works).
+        assert "".join(tokenizer.decode([i]) for i in ids) == text
+
+
+def test_cache_reuses_the_folder_without_rebuilding(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def must_not_build(*args: object) -> None:
+        raise AssertionError("rebuilt a cached builtin")
+
+    monkeypatch.setitem(builtin.BUILTINS, "tiny-qwen2", must_not_build)
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    again = builtin.resolve_model_path("builtin:tiny-qwen2", str(folder.parent), TINY)
+    assert again == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_cache_key_covers_what_changes_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = builtin.cache_key("tiny-qwen2", TINY)
+    assert key.startswith("tiny-qwen2-")
+    assert builtin.cache_key("tiny-qwen2", WarmStartConfig(steps=5, batch_size=4, lr=1e-3)) == key
+    assert builtin.cache_key("tiny-qwen2", WarmStartConfig(steps=6, batch_size=4, lr=1e-3)) != key
+    assert builtin.cache_key("tiny-qwen2", WarmStartConfig(steps=5, batch_size=4, lr=2e-3)) != key
+    monkeypatch.setattr(builtin, "BUILDER_VERSION", builtin.BUILDER_VERSION + 1)
+    assert builtin.cache_key("tiny-qwen2", TINY) != key
+    monkeypatch.undo()
+    monkeypatch.setitem(builtin.TINY_QWEN2, "hidden_size", 64)
+    assert builtin.cache_key("tiny-qwen2", TINY) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(builtin, "ALPHABET", builtin.ALPHABET + "\t")
+    assert builtin.cache_key("tiny-qwen2", TINY) != key
+
+
+def test_concurrent_builds_build_once_and_never_expose_a_partial_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[Path] = []
+    seen_partial: list[bool] = []
+
+    def slow_builder(out: Path, warmstart: WarmStartConfig) -> None:
+        calls.append(out)
+        (out / "config.json").write_text("{}")
+        time.sleep(0.3)
+        (out / "model.safetensors").write_text("weights")
+
+    monkeypatch.setitem(builtin.BUILTINS, "tiny-qwen2", slow_builder)
+    final = tmp_path / builtin.cache_key("tiny-qwen2", TINY)
+    results: list[Path] = []
+
+    def resolve() -> None:
+        results.append(builtin.resolve_model_path("builtin:tiny-qwen2", str(tmp_path), TINY))
+
+    def watch() -> None:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            if final.exists():
+                seen_partial.append(not (final / "model.safetensors").exists())
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=resolve) for _ in range(3)] + [
+        threading.Thread(target=watch)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1
+    assert results == [final] * 3
+    assert calls[0] != final  # built under a temporary name
+    assert seen_partial and not any(seen_partial)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [final.name]
+
+
+def test_failed_build_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(out: Path, warmstart: WarmStartConfig) -> None:
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("out of disk")
+
+    monkeypatch.setitem(builtin.BUILTINS, "tiny-qwen2", broken)
+    with pytest.raises(RuntimeError, match="out of disk"):
+        builtin.resolve_model_path("builtin:tiny-qwen2", str(tmp_path), TINY)
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+
+
+def test_resolve_plain_folders_and_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    assert builtin.resolve_model_path(str(tmp_path / "ckpt"), None) == tmp_path / "ckpt"
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        builtin.resolve_model_path(str(tmp_path / "missing"), None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        builtin.resolve_model_path(str(tmp_path / "empty"), None)
+    with pytest.raises(ValueError, match="tiny-qwen2"):
+        builtin.resolve_model_path("builtin:no-such-model", str(tmp_path))
+    monkeypatch.setenv("DRMAS_CACHE", str(tmp_path / "env-cache"))
+    assert builtin.default_cache_dir() == tmp_path / "env-cache"
+
+
+def test_transcripts_use_the_workflow_prompt_format() -> None:
+    rng = random.Random(3)
+    spec = builtin.ARITHMETIC
+    solver, verifier = mp.TINY_INSTRUCTIONS[mp.SOLVER], mp.TINY_INSTRUCTIONS[mp.VERIFIER]
+    question_re = r"(\d+)([+-])(\d+)"
+    verdicts = []
+    for kind in range(3):
+        for _ in range(400):
+            prompt, response = builtin.transcript(rng, spec, kind)
+            q = re.search(rf"Question: {question_re}\n", prompt)
+            assert q is not None
+            a, op, b = int(q.group(1)), q.group(2), int(q.group(3))
+            assert 0 <= a <= spec.max_operand and 0 <= b <= spec.max_operand
+            gold = str(a + b if op == "+" else a - b)
+            question = f"{a}{op}{b}"
+            if kind == 0:
+                assert prompt == mp.plain_prompt(mp.SOLVER, question, [], solver)
+                assert response == mp.solver_response(gold)
+            elif kind == 1:
+                shown = re.search(r"Solver: \\boxed\{(-?\d+)\}\n", prompt)
+                assert shown is not None
+                turns = [(mp.SOLVER, mp.solver_response(shown.group(1)))]
+                assert prompt == mp.plain_prompt(mp.VERIFIER, question, turns, verifier)
+                assert 0 < abs(int(shown.group(1)) - int(gold)) <= 3 or shown.group(1) == gold
+                verdict = mp.parse_verdict(response)
+                assert response == mp.verifier_response(bool(verdict))
+                verdicts.append((shown.group(1) == gold, verdict))
+            else:
+                wrong = re.search(r"Solver: \\boxed\{(-?\d+)\}\n", prompt)
+                assert wrong is not None and wrong.group(1) != gold
+                turns = [
+                    (mp.SOLVER, mp.solver_response(wrong.group(1))),
+                    (mp.VERIFIER, mp.verifier_response(False)),
+                ]
+                assert prompt == mp.plain_prompt(mp.SOLVER, question, turns, solver)
+                assert response == mp.solver_response(gold)
+    correct_shown = sum(shown for shown, _ in verdicts) / len(verdicts)
+    label_right = sum(shown == verdict for shown, verdict in verdicts) / len(verdicts)
+    assert 0.4 < correct_shown < 0.6
+    assert 0.72 < label_right < 0.88  # ~20 % label noise
+
+
+def test_loss_covers_only_response_and_eos_and_prefix_sharing_is_exact(folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    rng = random.Random(0)
+    for kind in range(3):
+        pairs = [builtin.transcript(rng, builtin.ARITHMETIC, kind) for _ in range(5)]
+        prefix, ids, labels = builtin.transcript_batch(tokenizer, pairs)
+        assert tokenizer.decode(prefix).endswith("Question: ")
+        for (_, response), row in zip(pairs, labels):
+            target = row[row != -100].tolist()
+            assert target == [
+                *tokenizer(response, add_special_tokens=False).input_ids,
+                tokenizer.eos_token_id,
+            ]
+        # Independent reference: each transcript alone, no padding, no shared prefix.
+        total, count = 0.0, 0
+        for prompt, response in pairs:
+            p = tokenizer(prompt, add_special_tokens=False).input_ids
+            r = [*tokenizer(response, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+            logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1]
+            total += F.cross_entropy(logits, torch.tensor(r), reduction="sum").item()
+            count += len(r)
+        loss = builtin.response_loss(model, prefix, ids, labels)
+        assert loss.item() == pytest.approx(total / count, abs=1e-5)
+
+
+def test_solver_accuracy_grades_boxed_answers(folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    rng = random.Random(1)
+    questions = [builtin.arithmetic_question(rng, builtin.ARITHMETIC) for _ in range(4)]
+    accuracy = builtin.solver_accuracy(
+        model, tokenizer, questions, temperature=1.0, max_new_tokens=4
+    )
+    assert 0.0 <= accuracy <= 1.0

@@ -1,0 +1,283 @@
+"""HFEngine against independent references: transformers' own generate (greedy), a plain
+full forward pass (log-probs), and each request generated alone (continuous batching)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from drmas.actors.config import EngineConfig
+from drmas.actors.engines.base import GenerateRequest, GenerateResult
+from drmas.actors.engines.hf import HFEngine
+from drmas.models.builtin import resolve_model_path
+from drmas.models.config import WarmStartConfig
+
+torch.set_num_threads(1)
+
+T = TypeVar("T")
+PROMPTS = [
+    "Solve.\nQuestion: 3+4\nSolver:",
+    "Check.\nQuestion: 12-19\nSolver: \\boxed{-7}\nVerifier:",
+    "Hi",
+    "Solve.\nQuestion: 18+18\nSolver: \\boxed{35}\nVerifier: <verify>no</verify>\nSolver:",
+]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random (not warm-started) tiny Qwen2 from the builtin builder."""
+    cache = tmp_path_factory.mktemp("cache")
+    return resolve_model_path("builtin:tiny-qwen2", str(cache), WarmStartConfig(steps=0))
+
+
+@pytest.fixture(scope="module")
+def reference(model_path: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    return model, AutoTokenizer.from_pretrained(model_path)
+
+
+def with_engine(model_path: Path, body: Callable[[HFEngine], Awaitable[T]], **cfg: Any) -> T:
+    async def main() -> T:
+        engine = HFEngine("policy", model_path, EngineConfig(device="cpu", **cfg))
+        await engine.start()
+        try:
+            return await body(engine)
+        finally:
+            await engine.close()
+
+    return asyncio.run(main())
+
+
+def ids_of(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def greedy(prompt_ids: list[int], n: int, stop: tuple[str, ...] = ()) -> GenerateRequest:
+    return GenerateRequest(prompt_ids, temperature=0.0, top_p=1.0, max_new_tokens=n, stop=stop)
+
+
+def test_greedy_batch_matches_transformers_generate(model_path: Path, reference: Any) -> None:
+    model, tokenizer = reference
+    prompts = [ids_of(tokenizer, p) for p in PROMPTS]
+    n = 12
+
+    async def body(engine: HFEngine) -> list[GenerateResult]:
+        return await asyncio.gather(*(engine.generate(greedy(p, n)) for p in prompts))
+
+    results = with_engine(model_path, body)
+    batch = tokenizer(PROMPTS, add_special_tokens=False, padding=True, return_tensors="pt")
+    assert tokenizer.padding_side == "left"
+    with torch.no_grad():
+        out = model.generate(**batch, do_sample=False, max_new_tokens=n)
+    eos = tokenizer.eos_token_id
+    for row, result in zip(out[:, batch["input_ids"].shape[1] :].tolist(), results):
+        expected = row[: row.index(eos) + 1] if eos in row else row
+        assert result.token_ids == expected
+        assert result.finish_reason == ("stop" if eos in row else "length")
+        assert result.version == 0
+
+
+def test_logprobs_equal_a_full_forward_pass(model_path: Path, reference: Any) -> None:
+    model, tokenizer = reference
+    prompts = [ids_of(tokenizer, p) for p in PROMPTS]
+    requests = [
+        GenerateRequest(prompts[0], temperature=1.0, top_p=1.0, max_new_tokens=10),
+        GenerateRequest(prompts[1], temperature=0.7, top_p=0.9, max_new_tokens=10),
+        GenerateRequest(prompts[2], temperature=0.0, top_p=1.0, max_new_tokens=10),
+        GenerateRequest(prompts[3], temperature=1.3, top_p=0.5, max_new_tokens=10),
+    ]
+
+    async def body(engine: HFEngine) -> list[GenerateResult]:
+        return await asyncio.gather(*(engine.generate(r) for r in requests))
+
+    for request, result in zip(requests, with_engine(model_path, body)):
+        assert len(result.logprobs) == len(result.token_ids) > 0
+        ids = request.prompt_ids + result.token_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+        temperature = request.temperature or 1.0
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        start = len(request.prompt_ids) - 1
+        expected = [logp[start + i, t].item() for i, t in enumerate(result.token_ids)]
+        assert result.logprobs == pytest.approx(expected, abs=1e-4)
+        assert all(lp <= 0.0 for lp in result.logprobs)
+
+
+def test_stop_strings_and_length(model_path: Path, reference: Any) -> None:
+    _, tokenizer = reference
+    prompt = ids_of(tokenizer, PROMPTS[0])
+
+    async def body(engine: HFEngine) -> tuple[GenerateResult, GenerateResult, GenerateResult]:
+        free = await engine.generate(greedy(prompt, 20))
+        text = tokenizer.decode(free.token_ids, skip_special_tokens=True)
+        assert len(text) >= 8, "the random model ended too early for this test"
+        stop = text[4:6]
+        stopped = await engine.generate(greedy(prompt, 20, stop=("never-appears", stop)))
+        short = await engine.generate(greedy(prompt, 3))
+        return free, stopped, short
+
+    free, stopped, short = with_engine(model_path, body)
+    text = tokenizer.decode(free.token_ids, skip_special_tokens=True)
+    first = text.index(text[4:6]) + 2  # characters up to the end of the first occurrence
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[:first]  # one token per character
+    assert tokenizer.decode(stopped.token_ids).endswith(text[4:6])
+    assert short.finish_reason == "length"
+    assert short.token_ids == free.token_ids[:3] and len(short.logprobs) == 3
+
+
+def test_requests_joining_a_running_batch_decode_exactly_as_alone(
+    model_path: Path, reference: Any
+) -> None:
+    """Iteration-level scheduling: a second wave arrives while the first decodes, is admitted
+    into the running batch (its prompts both longer and shorter than the running cache),
+    and every row's greedy tokens equal those of the request generated alone."""
+    _, tokenizer = reference
+    first = [ids_of(tokenizer, p) for p in PROMPTS[:2]]
+    second = [ids_of(tokenizer, PROMPTS[3]), ids_of(tokenizer, PROMPTS[2])]
+    n = 24
+
+    async def body(engine: HFEngine) -> tuple[list[GenerateResult], list[GenerateResult], int]:
+        alone = [await engine.generate(greedy(p, n)) for p in first + second]
+        wave1 = [asyncio.ensure_future(engine.generate(greedy(p, n))) for p in first]
+        start = engine.tokens_generated
+        while engine.tokens_generated < start + 2 * 5:  # both rows have decoded 5 tokens
+            await asyncio.sleep(0)
+        assert engine.num_running == 2
+        wave2 = [asyncio.ensure_future(engine.generate(greedy(p, n))) for p in second]
+        peak = 0
+        while not all(f.done() for f in wave1 + wave2):
+            peak = max(peak, engine.num_running)
+            await asyncio.sleep(0)
+        return alone, [f.result() for f in wave1 + wave2], peak
+
+    alone, together, peak = with_engine(model_path, body)
+    assert peak == 4  # the second wave ran alongside the first
+    for a, b in zip(alone, together):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+
+
+def test_max_batch_limits_running_rows(model_path: Path, reference: Any) -> None:
+    _, tokenizer = reference
+    prompts = [ids_of(tokenizer, p) for p in PROMPTS] * 2
+
+    async def body(engine: HFEngine) -> tuple[list[GenerateResult], int]:
+        tasks = [asyncio.ensure_future(engine.generate(greedy(p, 8))) for p in prompts]
+        peak = 0
+        while not all(t.done() for t in tasks):
+            peak = max(peak, engine.num_running)
+            await asyncio.sleep(0)
+        return [t.result() for t in tasks], peak
+
+    results, peak = with_engine(model_path, body, max_batch=3)
+    assert peak == 3
+    assert [r.token_ids for r in results[:4]] == [r.token_ids for r in results[4:]]
+
+
+def test_pause_holds_load_weights_changes_outputs_and_version(
+    model_path: Path, reference: Any
+) -> None:
+    model, tokenizer = reference
+    prompt = ids_of(tokenizer, PROMPTS[0])
+    new_weights = {
+        name: tensor + 0.05 * torch.randn(tensor.shape, generator=torch.Generator().manual_seed(i))
+        for i, (name, tensor) in enumerate(model.state_dict().items())
+        if name != "lm_head.weight"
+    }
+
+    async def body(engine: HFEngine) -> tuple[GenerateResult, GenerateResult, GenerateResult]:
+        before = await engine.generate(greedy(prompt, 16))
+        running = asyncio.ensure_future(engine.generate(greedy(prompt, 40)))
+        while engine.num_running == 0:
+            await asyncio.sleep(0)
+        await engine.pause()
+        held = engine.tokens_generated
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert engine.tokens_generated == held
+        assert not running.done() and engine.num_running == 1
+        engine.load_weights(new_weights.items(), version=3)
+        assert engine.version == 3
+        await engine.resume()
+        after = await engine.generate(greedy(prompt, 16))
+        return before, await running, after
+
+    before, straddling, after = with_engine(model_path, body)
+    assert straddling.version == 0  # admitted before the load
+    assert after.version == 3
+    assert after.token_ids != before.token_ids
+
+
+def test_load_weights_names_shapes_and_tied_embeddings(model_path: Path, reference: Any) -> None:
+    model, _ = reference
+    embed = model.state_dict()["model.embed_tokens.weight"]
+
+    async def body(engine: HFEngine) -> None:
+        assert engine.weights_digest() != ""
+        with pytest.raises(KeyError, match=r"model\.no_such\.weight"):
+            engine.load_weights([("model.no_such.weight", torch.zeros(1))], version=1)
+        with pytest.raises(ValueError, match="shape"):
+            engine.load_weights([("model.norm.weight", torch.zeros(7))], version=1)
+        assert engine.version == 0
+        doubled = (embed * 2).to(torch.bfloat16)  # cast to the engine's dtype on copy
+        engine.load_weights([("lm_head.weight", doubled)], version=1)
+        assert engine.model is not None
+        got = engine.model.get_input_embeddings().weight
+        assert torch.equal(got, doubled.float())  # tied: one tensor, either name
+        engine.load_weights([("model.embed_tokens.weight", embed)], version=2)
+        assert torch.equal(engine.model.get_output_embeddings().weight, embed)
+        assert engine.version == 2
+
+    with_engine(model_path, body)
+
+
+def test_sampling_is_reproducible_from_the_seed(model_path: Path, reference: Any) -> None:
+    _, tokenizer = reference
+    prompts = [ids_of(tokenizer, p) for p in PROMPTS]
+
+    async def body(engine: HFEngine) -> list[list[int]]:
+        requests = [GenerateRequest(p, 1.0, 1.0, 12) for p in prompts]
+        results = await asyncio.gather(*(engine.generate(r) for r in requests))
+        return [r.token_ids for r in results]
+
+    a = with_engine(model_path, body, seed=7)
+    b = with_engine(model_path, body, seed=7)
+    c = with_engine(model_path, body, seed=8)
+    assert a == b
+    assert a != c
+
+
+def test_close_fails_pending_requests_and_cancelled_callers_are_dropped(
+    model_path: Path, reference: Any
+) -> None:
+    _, tokenizer = reference
+    prompt = ids_of(tokenizer, PROMPTS[0])
+
+    async def main() -> None:
+        engine = HFEngine("policy", model_path, EngineConfig(device="cpu"))
+        await engine.start()
+        cancelled = asyncio.ensure_future(engine.generate(greedy(prompt, 50)))
+        while engine.num_running == 0:
+            await asyncio.sleep(0)
+        cancelled.cancel()
+        ok = await engine.generate(greedy(prompt, 4))  # the engine keeps serving
+        assert len(ok.token_ids) == 4 and engine.num_running == 0
+        await engine.pause()
+        pending = asyncio.ensure_future(engine.generate(greedy(prompt, 4)))
+        await asyncio.sleep(0)
+        await engine.close()
+        with pytest.raises(RuntimeError, match="engine closed"):
+            await pending
+        with pytest.raises(RuntimeError, match="engine closed"):
+            await engine.generate(greedy(prompt, 4))
+
+    asyncio.run(main())
