@@ -82,6 +82,8 @@ class BrokerState:
         self.eval_sampling = SamplingParams(
             cfg.val.temperature, cfg.val.top_p, cfg.sampling.max_new_tokens
         )
+        if cfg.val.every:
+            self._schedule_eval()  # step 0: the starting point every later round compares to
 
     # ------------------------------------------------------------ membership
     def add_actor(self, client_id: str, host: str, pid: int, models: list[str], now: float) -> str:
@@ -385,7 +387,7 @@ class BrokerState:
         if not every:
             return
         step = min(self.versions.values())
-        due = [s for s in range(every, step + 1, every)] + ([steps] if step >= steps else [])
+        due = [*range(0, step + 1, every), *([steps] if step >= steps else [])]
         for s in due:
             if s not in self.eval_scheduled:
                 self.eval_scheduled.add(s)

@@ -80,6 +80,11 @@ class ArithmeticSpec:
     """A wrong Solver answer is off by 1..max_wrong_offset."""
     verifier_label_noise: float = 0.2
     """Fraction of Verifier transcripts whose verdict is flipped (an imperfect verifier)."""
+    verifier_correct_frac: float = 0.7
+    """Fraction of Verifier transcripts whose Solver answer is right. A balanced mix left
+    the tiny Verifier at chance but nearly always saying "no" (entropy ~0.06), so correct
+    first answers were thrown away and RL had no verdict to explore; like the Solver it
+    judges, the warm-started Verifier should lean to approval and keep some doubt."""
     kind_weights: tuple[float, float, float] = (0.9, 0.05, 0.05)
     """Mix of transcript kinds: Solver first turn, Verifier, Solver after a rejection. The
     two later kinds are 2-3x longer; a few percent teaches their format, and more of them
@@ -304,7 +309,7 @@ def transcript(rng: random.Random, spec: ArithmeticSpec, kind: int) -> tuple[str
     if kind == 0:  # Solver, first turn
         return plain_prompt(SOLVER, question, [], TINY_INSTRUCTIONS[SOLVER]), solver_response(gold)
     if kind == 1:  # Verifier judging one Solver answer (half right), with label noise
-        correct = rng.random() < 0.5
+        correct = rng.random() < spec.verifier_correct_frac
         answer = gold if correct else _wrong(rng, gold, spec)
         verdict = correct != (rng.random() < spec.verifier_label_noise)
         turns = [(SOLVER, solver_response(answer))]
