@@ -12,6 +12,7 @@ A fresh --cache includes building and warm-starting the builtin model in the tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -25,10 +26,8 @@ import psutil
 def tree_rss(proc: psutil.Process) -> int:
     total = 0
     for p in [proc, *proc.children(recursive=True)]:
-        try:
+        with contextlib.suppress(psutil.Error):  # a child that just exited
             total += p.memory_info().rss
-        except psutil.Error:
-            pass
     return total
 
 

@@ -1,6 +1,7 @@
 """`drmas` console command. Parses arguments before importing torch, so --help is instant.
 
     drmas train   [overrides]                 everything on this machine
+    drmas prepare [overrides]                 resolve models, write RUN_DIR/config.yaml only
     drmas broker  [overrides] [--config F]    the coordinator (one per run)
     drmas actor   [overrides] [--config F]    a rollout actor; attach more at any time
     drmas learner --model M [overrides]       one learner rank (under torchrun for R > 1)
@@ -31,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
         return sp
 
     role("train", "train on this machine: broker, learners and actors as child processes")
+    role("prepare", "build/resolve models and write RUN_DIR/config.yaml for per-role launches")
     role("broker", "run the broker (coordinator)")
     actor = role("actor", "run one rollout actor")
     actor.add_argument("--id", default="", help="actor id (default actor-HOST-PID)")
@@ -70,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         from drmas.launch.train import train
 
         return train(cfg)
+    if args.command == "prepare":
+        from drmas.launch.train import prepare_run
+
+        _, run_dir = prepare_run(cfg)
+        print(run_dir / "config.yaml")
+        return 0
     if args.command == "broker":
         from drmas.launch.roles import run_broker
 
