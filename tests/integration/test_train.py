@@ -24,7 +24,7 @@ def check_run(run_dir: Path, models: set[str], steps: int) -> dict:
             assert f"weight_sync_s/{model}" in line
         assert line["episodes_per_s"] > 0
     val = [x for x in lines if "val/tasks" in x]
-    assert {x["step"] for x in val} >= {2, steps}
+    assert {x["step"] for x in val} >= {0, 2, steps}  # the starting point, every 2, the end
     summary = read_summary(run_dir)
     c = summary["counters"]
     assert c.get("groups_trained_twice", 0) == 0
@@ -59,7 +59,7 @@ def test_train_shared_model_two_fsdp_ranks(tmp_path: Path, model_cache: Path) ->
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = check_run(run_dir, {"policy"}, 4)
     assert set(summary["trained_groups"]) == {"policy"}
-    line = read_metrics(run_dir)[0]
+    line = next(x for x in read_metrics(run_dir) if "val/tasks" not in x)
     assert "agent_grad_norm/solver" in line and "agent_grad_norm/verifier" in line
 
 

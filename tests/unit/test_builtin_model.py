@@ -214,7 +214,8 @@ def test_transcripts_use_the_workflow_prompt_format() -> None:
                 assert response == mp.solver_response(gold)
     correct_shown = sum(shown for shown, _ in verdicts) / len(verdicts)
     label_right = sum(shown == verdict for shown, verdict in verdicts) / len(verdicts)
-    assert 0.4 < correct_shown < 0.6
+    # the Verifier is shown right answers about as often as the warm Solver gives them (0.7)
+    assert 0.6 < correct_shown < 0.8
     assert 0.72 < label_right < 0.88  # ~20 % label noise
 
 
