@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import time
@@ -63,6 +64,19 @@ def broker_main(cfg_path: str, ready: mp.Queue) -> None:
     cfg = load_config([], cfg_path)
     server = BrokerServer(cfg, None)
     ready.put(server.address)
+    if os.environ.get("DRMAS_PROFILE_BROKER"):  # python -m cProfile-style dump on SIGTERM
+        import cProfile
+        import signal
+
+        profile = cProfile.Profile()
+
+        def dump(*_: object) -> None:
+            profile.disable()
+            profile.dump_stats(os.environ["DRMAS_PROFILE_BROKER"])
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, dump)
+        profile.enable()
     server.serve(max_seconds=600)
 
 
