@@ -75,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare":
         from drmas.launch.train import prepare_run
 
-        _, run_dir = prepare_run(cfg)
+        try:
+            _, run_dir = prepare_run(cfg)
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"drmas prepare: {exc}", file=sys.stderr)
+            return 2
         print(run_dir / "config.yaml")
         return 0
     if args.command == "broker":

@@ -78,7 +78,11 @@ def start_children(cfg: DrmasConfig, run_dir: Path, sup: Supervisor) -> None:
 
 def train(cfg: DrmasConfig) -> int:
     started = time.monotonic()
-    cfg, run_dir = prepare_run(cfg)
+    try:
+        cfg, run_dir = prepare_run(cfg)
+    except (FileNotFoundError, ValueError) as exc:  # a bad model path: nothing started yet
+        print(f"drmas train: {exc}", file=sys.stderr)
+        return 2
     print(f"drmas train: run folder {run_dir}", flush=True)
     sup = Supervisor(run_dir / "logs")
     interrupted = False

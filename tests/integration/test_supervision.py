@@ -1,0 +1,66 @@
+"""drmas train brings every process down: on a child's failure, and on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.integration.conftest import FAST, REPO, drmas
+
+pytestmark = pytest.mark.slow
+
+
+def drmas_children_of(run_dir: Path) -> list[psutil.Process]:
+    """Live processes started for this run (their command line names its config)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if str(run_dir / "config.yaml") in cmdline:
+            found.append(proc)
+    return found
+
+
+def test_a_failing_child_stops_the_run_and_names_itself(tmp_path: Path, model_cache: Path) -> None:
+    run_dir = tmp_path / "run"
+    # the actor fails at start (engine not in this build); broker and learners must stop too
+    out = drmas(
+        "train", *FAST, "actor.engine.name=sim", f"run.dir={run_dir}",
+        f"run.cache_dir={model_cache}", timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert "actor-0 exited with code 1" in out.stderr
+    assert "actor.engine.name='sim' is not available" in out.stderr  # its log tail is shown
+    assert drmas_children_of(run_dir) == []
+
+
+def test_ctrl_c_stops_every_process(tmp_path: Path, model_cache: Path) -> None:
+    run_dir = tmp_path / "run"
+    train = subprocess.Popen(
+        [sys.executable, "-m", "drmas.launch.cli", "train", *FAST, "train.steps=50",
+         f"run.dir={run_dir}", f"run.cache_dir={model_cache}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()):  # first results are in
+            assert time.monotonic() < deadline, "no training within 240 s"
+            assert train.poll() is None, train.stdout.read() if train.stdout else ""
+            time.sleep(0.5)
+        assert len(drmas_children_of(run_dir)) == 4  # broker, 2 learners, 1 actor
+        train.send_signal(signal.SIGINT)
+        out, _ = train.communicate(timeout=60)
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 130, out[-2000:]
+    assert "interrupted; stopping all processes" in out
+    assert drmas_children_of(run_dir) == []
