@@ -55,30 +55,29 @@ def check_step(step: Step, limits: Limits) -> None:
 
 
 def check_steps(steps: list[Step], limits: Limits) -> None:
-    """Validate many steps with one vectorised pass over their token ids and log-probs."""
+    """Validate many steps: one cheap combined test per step (the broker's hot path), the
+    exact reason only when it fails, then one vectorised pass over all ids and log-probs."""
+    agent_models = limits.agent_models
+    max_p, max_r = 4 * limits.max_prompt_tokens, 4 * limits.max_response_tokens
     ids_by_model: dict[str, list[bytes]] = {}
     logprobs: list[bytes] = []
     for step in steps:
-        model = limits.agent_models.get(step.agent)
-        if model is None:
-            _fail(f"unknown agent {step.agent!r}; agents are {sorted(limits.agent_models)}")
-        if step.model != model:
-            _fail(f"agent {step.agent!r} is bound to model {model!r}, step says {step.model!r}")
-        p, r, lp = len(step.prompt_ids), len(step.response_ids), len(step.logprobs)
-        for what, size in (("prompt id", p), ("response id", r), ("log-prob", lp)):
-            if size % 4:
-                _fail(f"{what} buffer of {size} bytes is not a multiple of 4")
-        if not (1 <= p // 4 <= limits.max_prompt_tokens):
-            _fail(f"prompt of {p // 4} tokens outside 1..{limits.max_prompt_tokens}")
-        if not (1 <= r // 4 <= limits.max_response_tokens):
-            _fail(f"response of {r // 4} tokens outside 1..{limits.max_response_tokens}")
-        if lp != r:
-            _fail(f"{lp // 4} log-probs for {r // 4} response tokens")
-        if step.version < 0:
-            _fail(f"negative weight version {step.version}")
-        if step.finish_reason not in ("stop", "length"):
-            _fail(f"finish_reason must be 'stop' or 'length', got {step.finish_reason!r}")
-        ids_by_model.setdefault(model, []).extend((step.prompt_ids, step.response_ids))
+        model = agent_models.get(step.agent)
+        p, r = len(step.prompt_ids), len(step.response_ids)
+        if (
+            model is None
+            or step.model != model
+            or (p | r) & 3
+            or not (4 <= p <= max_p and 4 <= r <= max_r)
+            or len(step.logprobs) != r
+            or step.version < 0
+            or step.finish_reason not in _FINISH_REASONS
+        ):
+            _fail(_step_problem(step, limits))
+        chunks = ids_by_model.get(model)
+        if chunks is None:
+            chunks = ids_by_model[model] = []
+        chunks += (step.prompt_ids, step.response_ids)
         logprobs.append(step.logprobs)
     for model, chunks in ids_by_model.items():
         ids = unpack_ids(b"".join(chunks))
@@ -88,6 +87,31 @@ def check_steps(steps: list[Step], limits: Limits) -> None:
     values = unpack_logprobs(b"".join(logprobs))
     if not np.isfinite(values).all() or values.max() > 0.0:
         _fail("log-probs must be finite and <= 0")
+
+
+_FINISH_REASONS = frozenset(("stop", "length"))
+
+
+def _step_problem(step: Step, limits: Limits) -> str:
+    """The first thing wrong with a step that failed the fast test, in words."""
+    model = limits.agent_models.get(step.agent)
+    if model is None:
+        return f"unknown agent {step.agent!r}; agents are {sorted(limits.agent_models)}"
+    if step.model != model:
+        return f"agent {step.agent!r} is bound to model {model!r}, step says {step.model!r}"
+    p, r, lp = len(step.prompt_ids), len(step.response_ids), len(step.logprobs)
+    for what, size in (("prompt id", p), ("response id", r), ("log-prob", lp)):
+        if size % 4:
+            return f"{what} buffer of {size} bytes is not a multiple of 4"
+    if not (1 <= p // 4 <= limits.max_prompt_tokens):
+        return f"prompt of {p // 4} tokens outside 1..{limits.max_prompt_tokens}"
+    if not (1 <= r // 4 <= limits.max_response_tokens):
+        return f"response of {r // 4} tokens outside 1..{limits.max_response_tokens}"
+    if lp != r:
+        return f"{lp // 4} log-probs for {r // 4} response tokens"
+    if step.version < 0:
+        return f"negative weight version {step.version}"
+    return f"finish_reason must be 'stop' or 'length', got {step.finish_reason!r}"
 
 
 def check_group_result(msg: GroupResult, limits: Limits, group_size: int) -> None:
