@@ -1,0 +1,2 @@
+"""Task sources owned by the broker (synthetic arithmetic, local JSONL/Parquet) and the
+grading the actors apply (math-verify)."""
