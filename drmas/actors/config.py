@@ -21,7 +21,7 @@ class EngineConfig:
     dtype: str = "float32"
     """Inference dtype."""
     seed: int = 0
-    """Sampling seed (offset by the actor index)."""
+    """Sampling seed; each actor adds a hash of its id, so actors sample independently."""
 
 
 @dataclass

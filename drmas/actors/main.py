@@ -15,11 +15,13 @@ publishing at once can never wait on each other), at a safe point: the engine is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import time
+import zlib
 
 from drmas.actors.engines import make_engine
 from drmas.actors.engines.base import Engine
@@ -69,7 +71,10 @@ class Actor:
         """Load every engine first, then say Hello: an actor the broker knows must be able
         to join a weight group at once (a loading actor would stall everyone's rendezvous)."""
         for model in self.models:
-            engine = make_engine(model, self.cfg.models[model].path, self.cfg.actor.engine)
+            # every actor samples its own stream (same seed on all actors would correlate them)
+            seed = self.cfg.actor.engine.seed + zlib.crc32(self.id.encode())
+            engine_cfg = dataclasses.replace(self.cfg.actor.engine, seed=seed)
+            engine = make_engine(model, self.cfg.models[model].path, engine_cfg)
             await engine.start()
             self.engines[model] = engine
         tokenizers = {m: e.tokenizer for m, e in self.engines.items()}

@@ -38,5 +38,3 @@ class BrokerConfig:
     """A client silent this long is dead: its leases are re-issued."""
     max_message_bytes: int = 256 * 1024 * 1024
     """Frames larger than this are dropped by ZeroMQ before decoding."""
-    record_path: str = ""
-    """If set, every accepted group is appended here (msgpack) for replay."""

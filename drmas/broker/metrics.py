@@ -44,7 +44,6 @@ class StepMetrics:
         self.parts = {(m, part) for m in models for part in ("step", "publish")}
         self.pending: dict[int, dict[str, float]] = {}
         self.reported: dict[int, set[tuple[str, str]]] = {}
-        self.last_step = 0
         self.flushed: set[int] = set()
         self.started = time.monotonic()
         self.window_s = 30.0
@@ -82,7 +81,6 @@ class StepMetrics:
         line["time_s"] = time.time()
         self.reported.pop(step, None)
         self.flushed.add(step)
-        self.last_step = max(self.last_step, step)
         self.sink.write(line)
 
     def write(self, record: dict[str, float]) -> None:

@@ -80,8 +80,6 @@ class RunConfig:
 
     dir: str = ""
     """Run folder (config.yaml, metrics.jsonl, logs/, models/); empty = runs/<time>."""
-    seed: int = 0
-    """Global seed."""
     cache_dir: str = ""
     """Builtin model cache; empty = $DRMAS_CACHE or ~/.cache/drmas."""
 

@@ -26,7 +26,6 @@ class Limits(msgspec.Struct):
     max_prompt_tokens: int = 32_768
     max_response_tokens: int = 32_768
     max_steps_per_episode: int = 64
-    max_group_size: int = 1024
     max_lease_request: int = 1024
     max_id_chars: int = 256
 
