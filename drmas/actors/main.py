@@ -32,7 +32,6 @@ from drmas.protocol.messages import (
     Episode,
     ErrorReply,
     Goodbye,
-    GroupResult,
     Heartbeat,
     JoinWeightGroup,
     Lease,
@@ -41,6 +40,7 @@ from drmas.protocol.messages import (
     Leases,
     Shutdown,
     WeightsLoaded,
+    pack_group,
 )
 from drmas.transports.channel import BrokerClient, BrokerRefused
 from drmas.transports.weights import WeightReceiver
@@ -152,7 +152,7 @@ class Actor:
                 )
                 self.client.send(LeaseReturn(self.id, [lease_id], repr(task.exception())))
                 continue
-            result = GroupResult(self.id, lease_id, lease.group_id, task.result(), seconds)
+            result = pack_group(self.id, lease_id, lease.group_id, task.result(), seconds)
             try:
                 ack = self.client.request(result, Accepted, REQUEST_TIMEOUT_S)
             except BrokerRefused as exc:

@@ -12,29 +12,65 @@ checked at the cut; a slice that is too stale is dropped and reported to the cal
 from __future__ import annotations
 
 import collections
+import functools
+import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from drmas.broker.advantages import compute_advantages
 from drmas.broker.config import AdvantageConfig
-from drmas.protocol.messages import BatchShard, Episode, Sample, Step, Task
+from drmas.protocol.messages import BatchShard, GroupResult, Sample, Task
+
+
+class SliceColumns(NamedTuple):
+    """Per-step columns of a slice, built when its batch is cut."""
+
+    agents: list[str]
+    versions: list[int]
+    spans: list[tuple[int, int, int, int]]  # byte offsets p0, p1, r0, r1 in the group's buffers
+    scores: list[float]  # step score: team reward minus its invalid-action penalty
+    rewards: list[float]  # episode team reward per step
+    episode_ids: list[int]  # episode index within the group per step
 
 
 @dataclass
 class GroupSlice:
-    """The steps of one group that train one model (advantages come at the cut)."""
+    """The steps of one group that train one model (advantages come at the cut).
+
+    Holds the group's GroupResult (whose columnar buffers all its slices share) and the
+    flat indices of this model's steps; per-step columns are built only at the cut, so
+    taking a group in costs one pass over its step headers.
+    """
 
     group_id: int
     task: Task
-    steps: list[Step]
-    scores: list[float]  # step score (team reward minus its penalty)
-    rewards: list[float]  # episode team reward per step
-    episode_ids: list[int]  # episode index within the group per step
+    result: GroupResult
+    steps: list[int]  # flat step indices (episode by episode) of this model's steps
+    penalty: float  # invalid-action penalty
+    min_version: int  # oldest weight version among these steps
 
-    @property
-    def min_version(self) -> int:
-        return min(s.version for s in self.steps)
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    @functools.cached_property
+    def columns(self) -> SliceColumns:
+        episodes = self.result.episodes
+        headers = [h for e in episodes for h in e.steps]
+        episode_of = [e for e, episode in enumerate(episodes) for _ in episode.steps]
+        p_off = [0, *itertools.accumulate(4 * h.prompt_len for h in headers)]
+        r_off = [0, *itertools.accumulate(4 * h.response_len for h in headers)]
+        mine = [headers[i] for i in self.steps]
+        rewards = [episodes[episode_of[i]].reward for i in self.steps]
+        return SliceColumns(
+            agents=[h.agent for h in mine],
+            versions=[h.version for h in mine],
+            spans=[(p_off[i], p_off[i + 1], r_off[i], r_off[i + 1]) for i in self.steps],
+            scores=[r if h.valid else r - self.penalty for h, r in zip(mine, rewards)],
+            rewards=rewards,
+            episode_ids=[episode_of[i] for i in self.steps],
+        )
 
 
 @dataclass
@@ -50,42 +86,59 @@ class CutBatch:
 
 
 def split_group(
-    group_id: int, task: Task, episodes: list[Episode], agent_models: dict[str, str], penalty: float
+    group_id: int,
+    task: Task,
+    result: GroupResult,
+    agent_models: dict[str, str],
+    penalty: float,
 ) -> dict[str, GroupSlice]:
-    """Score every step and split the group per model."""
-    slices: dict[str, GroupSlice] = {}
-    for e, episode in enumerate(episodes):
-        for step in episode.steps:
-            model = agent_models[step.agent]
-            part = slices.get(model)
-            if part is None:
-                part = slices[model] = GroupSlice(group_id, task, [], [], [], [])
-            part.steps.append(step)
-            part.scores.append(episode.reward - (0.0 if step.valid else penalty))
-            part.rewards.append(episode.reward)
-            part.episode_ids.append(e)
+    """Split a (validated) group per model: the broker's intake hot path, so one pass."""
+    headers = [h for episode in result.episodes for h in episode.steps]
+    models = [agent_models[h.agent] for h in headers]
+    slices = {}
+    for model in set(models):
+        steps = [i for i, m in enumerate(models) if m == model]
+        oldest = min(headers[i].version for i in steps)
+        slices[model] = GroupSlice(group_id, task, result, steps, penalty, oldest)
     return slices
 
 
 def batch_samples(slices: list[GroupSlice], adv: AdvantageConfig) -> list[Sample]:
     """Advantages for every step of the batch in one call, as training samples."""
-    group_ids = np.concatenate([np.full(len(sl.steps), i) for i, sl in enumerate(slices)])
+    cols = [sl.columns for sl in slices]
+    group_ids = np.concatenate([np.full(len(sl), i) for i, sl in enumerate(slices)])
     advantages = compute_advantages(
-        np.concatenate([sl.scores for sl in slices]),
+        np.concatenate([c.scores for c in cols]),
         group_ids,
-        np.concatenate([sl.episode_ids for sl in slices]),
-        [step.agent for sl in slices for step in sl.steps],
+        np.concatenate([c.episode_ids for c in cols]),
+        [agent for c in cols for agent in c.agents],
         mode=adv.mode,
         norm_by_std=adv.norm_by_std,
         eps=adv.eps,
         std=adv.std,
         scope=adv.scope,
-    )
-    steps = [step for sl in slices for step in sl.steps]
-    return [
-        Sample(s.agent, s.prompt_ids, s.response_ids, s.logprobs, float(a), s.version)
-        for s, a in zip(steps, advantages.tolist())
-    ]
+    ).tolist()
+    samples = []
+    i = 0
+    for sl, c in zip(slices, cols):
+        prompts, responses, logprobs = (
+            sl.result.prompt_ids,
+            sl.result.response_ids,
+            sl.result.logprobs,
+        )
+        for agent, version, (p0, p1, r0, r1) in zip(c.agents, c.versions, c.spans):
+            samples.append(
+                Sample(
+                    agent,
+                    bytes(prompts[p0:p1]),
+                    bytes(responses[r0:r1]),
+                    bytes(logprobs[r0:r1]),
+                    float(advantages[i]),
+                    version,
+                )
+            )
+            i += 1
+    return samples
 
 
 def shard(model: str, version: int, samples: list[Sample], world_size: int) -> list[BatchShard]:
@@ -120,7 +173,11 @@ def batch_stats(slices: list[GroupSlice], samples: list[Sample], version: int) -
     """Per-agent reward/score/advantage statistics and staleness of one batch."""
     by_agent: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
     staleness = []
-    scores = [(score, reward) for sl in slices for score, reward in zip(sl.scores, sl.rewards)]
+    scores = [
+        (score, reward)
+        for sl in slices
+        for score, reward in zip(sl.columns.scores, sl.columns.rewards)
+    ]
     for sample, (score, reward) in zip(samples, scores):
         by_agent[sample.agent].append((reward, score, sample.advantage))
         staleness.append(version - sample.version)

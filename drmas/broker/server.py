@@ -15,10 +15,12 @@ import logging
 import signal
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import zmq
 
+from drmas.broker.heap import tune_gc
 from drmas.broker.metrics import JsonlSink, NullSink, StepMetrics
 from drmas.broker.state import BrokerState
 from drmas.launch.config import DrmasConfig
@@ -94,7 +96,11 @@ class BrokerServer:
 
     # ------------------------------------------------------------------ loop
     def serve(self, max_seconds: float | None = None) -> None:
-        """Serve until SIGTERM/SIGINT, or training is done and every learner has left."""
+        """Serve until SIGTERM/SIGINT, or training is done and every learner has left.
+
+        Owns the process from here: applies the broker's garbage-collector settings.
+        """
+        tune_gc()
         deadline = time.monotonic() + max_seconds if max_seconds else None
         last_reap = 0.0
         try:
@@ -119,7 +125,7 @@ class BrokerServer:
         """Handle what is queued (up to max_messages, so liveness checks still run)."""
         for _ in range(max_messages):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self.handle(frames)
@@ -168,11 +174,14 @@ class BrokerServer:
             reply = encode(ErrorReply(code, reason, refused))
             self.sock.send_multipart([identity, reply], flags=zmq.NOBLOCK)
 
-    def handle(self, frames: list[bytes]) -> None:
+    def handle(self, frames: Sequence[zmq.Frame]) -> None:
+        """One received message: [client identity, payload]. Frames are not copied: the
+        decoded GroupResult's arrays are views into the payload frame."""
+        identity = frames[0].bytes
         if len(frames) != 2:
-            self.refuse(frames[0], "bad_frame", f"expected 1 payload frame, got {len(frames) - 1}")
+            self.refuse(identity, "bad_frame", f"expected 1 payload frame, got {len(frames) - 1}")
             return
-        identity, payload = frames
+        payload = frames[1].buffer
         tag = ""
         try:
             msg = decode_to_broker(payload)

@@ -243,12 +243,11 @@ class BrokerState:
         self.accepted_groups.add(result.group_id)
         self.counters["groups_accepted"] += 1
         self.counters["episodes_accepted"] += len(result.episodes)
-        tokens = sum(len(s.response_ids) // 4 for e in result.episodes for s in e.steps)
-        self.metrics.count_intake(len(result.episodes), tokens)
+        self.metrics.count_intake(len(result.episodes), len(result.response_ids) // 4)
         slices = split_group(
             result.group_id,
             record.task,
-            result.episodes,
+            result,
             self.agent_models,
             self.cfg.algorithm.invalid_action_penalty,
         )

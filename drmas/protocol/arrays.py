@@ -18,7 +18,7 @@ def pack_ids(ids: object) -> bytes:
     return np.asarray(ids, dtype=IDS_DTYPE).tobytes()
 
 
-def unpack_ids(raw: bytes) -> np.ndarray:
+def unpack_ids(raw: bytes | memoryview) -> np.ndarray:
     """int32 LE bytes -> read-only [n] int32 array (zero copy)."""
     if len(raw) % IDS_DTYPE.itemsize:
         raise ValueError(f"token id buffer of {len(raw)} bytes is not a multiple of 4")
@@ -30,7 +30,7 @@ def pack_logprobs(values: object) -> bytes:
     return np.asarray(values, dtype=LOGPROBS_DTYPE).tobytes()
 
 
-def unpack_logprobs(raw: bytes) -> np.ndarray:
+def unpack_logprobs(raw: bytes | memoryview) -> np.ndarray:
     """float32 LE bytes -> read-only [n] float32 array (zero copy)."""
     if len(raw) % LOGPROBS_DTYPE.itemsize:
         raise ValueError(f"log-prob buffer of {len(raw)} bytes is not a multiple of 4")

@@ -29,14 +29,14 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_to_broker(frame: bytes) -> ToBroker:
+def decode_to_broker(frame: bytes | memoryview) -> ToBroker:
     try:
         return _to_broker.decode(frame)
     except msgspec.DecodeError as exc:
         raise ProtocolError("bad_frame", f"not a drmas message: {exc}") from None
 
 
-def decode_from_broker(frame: bytes) -> FromBroker:
+def decode_from_broker(frame: bytes | memoryview) -> FromBroker:
     try:
         return _from_broker.decode(frame)
     except msgspec.DecodeError as exc:

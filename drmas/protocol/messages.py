@@ -24,13 +24,19 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 Role = Literal["actor", "learner", "client"]
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
-    """Base of all tagged messages; `type` on the wire names the record."""
+    """Base of all tagged messages; `type` on the wire names the record.
+
+    Messages are trees (never reference cycles), so the high-volume records (groups and
+    their steps) are built with gc=False: the cyclic garbage collector does not track
+    them, which keeps a broker holding thousands of buffered groups from spending its
+    time in collections.
+    """
 
 
 # ---------------------------------------------------------------- handshake
@@ -116,8 +122,13 @@ class Leases(_Msg, tag="leases"):
     reason: str = ""  # why fewer than asked (admission control, stale weights, done)
 
 
-class Step(msgspec.Struct, forbid_unknown_fields=True):
-    """One call of one agent inside an episode."""
+class Step(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """One call of one agent inside an episode, as a workflow produces it.
+
+    On the wire a group's steps travel columnar (see GroupResult): this record is the
+    actor's (and the tests') view; `pack_group` turns episodes of Steps into a
+    GroupResult and `GroupResult.unpack` turns it back.
+    """
 
     agent: str
     model: str
@@ -129,18 +140,110 @@ class Step(msgspec.Struct, forbid_unknown_fields=True):
     finish_reason: str  # "stop" | "length"
 
 
-class Episode(msgspec.Struct, forbid_unknown_fields=True):
+class Episode(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     steps: list[Step]
     reward: float  # team reward of the episode
 
 
+class StepHeader(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """A Step without its arrays: those are spans of the GroupResult's buffers."""
+
+    agent: str
+    model: str
+    prompt_len: int  # tokens of this step in GroupResult.prompt_ids
+    response_len: int  # tokens of this step in GroupResult.response_ids / logprobs
+    version: int
+    valid: bool
+    finish_reason: str
+
+
+class EpisodeHeader(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    steps: list[StepHeader]
+    reward: float
+
+
 # actor -> broker: all episodes of one lease. Answered by Accepted.
-class GroupResult(_Msg, tag="group_result"):
+# Columnar: the token ids and log-probs of every step of the group are concatenated
+# (episode by episode, step by step) into three buffers, so the broker decodes three
+# byte strings and validates them in one vectorised pass instead of three per step.
+class GroupResult(_Msg, tag="group_result", gc=False):
     client_id: str
     lease_id: int
     group_id: int
-    episodes: list[Episode]
+    episodes: list[EpisodeHeader]
+    # Decoded as views into the received frame (no copy of the group's tokens); the
+    # frame lives as long as a view does.
+    prompt_ids: memoryview  # int32 LE, sum of prompt_len
+    response_ids: memoryview  # int32 LE, sum of response_len
+    logprobs: memoryview  # float32 LE, sum of response_len
     generate_s: float = 0.0  # wall seconds the actor spent on the group
+
+    def unpack(self) -> list[Episode]:
+        """The episodes as Steps with their own arrays (copies; not the broker's hot path)."""
+        episodes, p, r = [], 0, 0
+        for episode in self.episodes:
+            steps = []
+            for h in episode.steps:
+                p_end, r_end = p + 4 * h.prompt_len, r + 4 * h.response_len
+                steps.append(
+                    Step(
+                        h.agent,
+                        h.model,
+                        bytes(self.prompt_ids[p:p_end]),
+                        bytes(self.response_ids[r:r_end]),
+                        bytes(self.logprobs[r:r_end]),
+                        h.version,
+                        h.valid,
+                        h.finish_reason,
+                    )
+                )
+                p, r = p_end, r_end
+            episodes.append(Episode(steps, episode.reward))
+        return episodes
+
+
+def pack_group(
+    client_id: str, lease_id: int, group_id: int, episodes: list[Episode], generate_s: float = 0.0
+) -> GroupResult:
+    """Episodes of Steps -> one columnar GroupResult (what an actor sends).
+
+    Raises ValueError for a step whose buffers cannot be spans (a bug of its producer).
+    """
+    steps = [s for e in episodes for s in e.steps]
+    for s in steps:
+        p, r, lp = len(s.prompt_ids), len(s.response_ids), len(s.logprobs)
+        for what, size in (("prompt id", p), ("response id", r), ("log-prob", lp)):
+            if size % 4:
+                raise ValueError(f"{what} buffer of {size} bytes is not a multiple of 4")
+        if lp != r:
+            raise ValueError(f"{lp // 4} log-probs for {r // 4} response tokens")
+    return GroupResult(
+        client_id=client_id,
+        lease_id=lease_id,
+        group_id=group_id,
+        episodes=[
+            EpisodeHeader(
+                [
+                    StepHeader(
+                        s.agent,
+                        s.model,
+                        len(s.prompt_ids) // 4,
+                        len(s.response_ids) // 4,
+                        s.version,
+                        s.valid,
+                        s.finish_reason,
+                    )
+                    for s in e.steps
+                ],
+                e.reward,
+            )
+            for e in episodes
+        ],
+        prompt_ids=memoryview(b"".join(s.prompt_ids for s in steps)),
+        response_ids=memoryview(b"".join(s.response_ids for s in steps)),
+        logprobs=memoryview(b"".join(s.logprobs for s in steps)),
+        generate_s=generate_s,
+    )
 
 
 # broker -> actor: answer to GroupResult.

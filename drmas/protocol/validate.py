@@ -15,7 +15,15 @@ import numpy as np
 
 from drmas.protocol.arrays import unpack_ids, unpack_logprobs
 from drmas.protocol.codec import ProtocolError
-from drmas.protocol.messages import GroupResult, Hello, LeaseRequest, Step
+from drmas.protocol.messages import (
+    Episode,
+    GroupResult,
+    Hello,
+    LeaseRequest,
+    Step,
+    StepHeader,
+    pack_group,
+)
 
 
 class Limits(msgspec.Struct):
@@ -28,6 +36,11 @@ class Limits(msgspec.Struct):
     max_steps_per_episode: int = 64
     max_lease_request: int = 1024
     max_id_chars: int = 256
+
+    @property
+    def bindings(self) -> frozenset[tuple[str, str]]:
+        """Every (agent, model) pair a step may carry."""
+        return frozenset(self.agent_models.items())
 
 
 def _fail(reason: str) -> NoReturn:
@@ -50,91 +63,115 @@ def check_lease_request(msg: LeaseRequest, limits: Limits) -> None:
 
 
 def check_step(step: Step, limits: Limits) -> None:
-    check_steps([step], limits)
-
-
-def check_steps(steps: list[Step], limits: Limits) -> None:
-    """Validate many steps: one cheap combined test per step (the broker's hot path), the
-    exact reason only when it fails, then one vectorised pass over all ids and log-probs."""
-    agent_models = limits.agent_models
-    max_p, max_r = 4 * limits.max_prompt_tokens, 4 * limits.max_response_tokens
-    ids_by_model: dict[str, list[bytes]] = {}
-    logprobs: list[bytes] = []
-    for step in steps:
-        model = agent_models.get(step.agent)
-        p, r = len(step.prompt_ids), len(step.response_ids)
-        if (
-            model is None
-            or step.model != model
-            or (p | r) & 3
-            or not (4 <= p <= max_p and 4 <= r <= max_r)
-            or len(step.logprobs) != r
-            or step.version < 0
-            or step.finish_reason not in _FINISH_REASONS
-        ):
-            _fail(_step_problem(step, limits))
-        chunks = ids_by_model.get(model)
-        if chunks is None:
-            chunks = ids_by_model[model] = []
-        chunks += (step.prompt_ids, step.response_ids)
-        logprobs.append(step.logprobs)
-    for model, chunks in ids_by_model.items():
-        ids = unpack_ids(b"".join(chunks))
-        vocab = limits.vocab_sizes[model]
-        if ids.min() < 0 or ids.max() >= vocab:
-            _fail(_which_ids(steps, limits, model, vocab))
-    values = unpack_logprobs(b"".join(logprobs))
-    if not np.isfinite(values).all() or values.max() > 0.0:
-        _fail("log-probs must be finite and <= 0")
+    """Validate one Step as the broker would (packed into a one-step group)."""
+    try:
+        group = pack_group("", 0, 0, [Episode([step], 0.0)])
+    except ValueError as exc:
+        _fail(str(exc))
+    check_group_result(group, limits, 1)
 
 
 _FINISH_REASONS = frozenset(("stop", "length"))
-
-
-def _step_problem(step: Step, limits: Limits) -> str:
-    """The first thing wrong with a step that failed the fast test, in words."""
-    model = limits.agent_models.get(step.agent)
-    if model is None:
-        return f"unknown agent {step.agent!r}; agents are {sorted(limits.agent_models)}"
-    if step.model != model:
-        return f"agent {step.agent!r} is bound to model {model!r}, step says {step.model!r}"
-    p, r, lp = len(step.prompt_ids), len(step.response_ids), len(step.logprobs)
-    for what, size in (("prompt id", p), ("response id", r), ("log-prob", lp)):
-        if size % 4:
-            return f"{what} buffer of {size} bytes is not a multiple of 4"
-    if not (1 <= p // 4 <= limits.max_prompt_tokens):
-        return f"prompt of {p // 4} tokens outside 1..{limits.max_prompt_tokens}"
-    if not (1 <= r // 4 <= limits.max_response_tokens):
-        return f"response of {r // 4} tokens outside 1..{limits.max_response_tokens}"
-    if lp != r:
-        return f"{lp // 4} log-probs for {r // 4} response tokens"
-    if step.version < 0:
-        return f"negative weight version {step.version}"
-    return f"finish_reason must be 'stop' or 'length', got {step.finish_reason!r}"
+_U32 = np.dtype("<u4")
 
 
 def check_group_result(msg: GroupResult, limits: Limits, group_size: int) -> None:
+    """Validate a columnar group: one cheap combined test per step header (the broker's
+    hot path; the exact reason only when it fails), then one vectorised pass over each of
+    the three buffers."""
     if len(msg.episodes) != group_size:
         _fail(f"group {msg.group_id} has {len(msg.episodes)} episodes, lease asked {group_size}")
-    for i, episode in enumerate(msg.episodes):
-        if not math.isfinite(episode.reward):
-            _fail(f"episode {i}: reward is not finite")
-        if not (1 <= len(episode.steps) <= limits.max_steps_per_episode):
-            _fail(
-                f"episode {i}: {len(episode.steps)} steps outside 1..{limits.max_steps_per_episode}"
-            )
-    check_steps([step for episode in msg.episodes for step in episode.steps], limits)
+    max_steps = limits.max_steps_per_episode
+    rewards = [e.reward for e in msg.episodes]
+    counts = [len(e.steps) for e in msg.episodes]
+    if not all(map(math.isfinite, rewards)) or min(counts) < 1 or max(counts) > max_steps:
+        for i, (reward, count) in enumerate(zip(rewards, counts)):
+            if not math.isfinite(reward):
+                _fail(f"episode {i}: reward is not finite")
+            if not (1 <= count <= max_steps):
+                _fail(f"episode {i}: {count} steps outside 1..{max_steps}")
+    # one pass per field over every step header (cheaper than one branchy loop per step)
+    headers = [h for e in msg.episodes for h in e.steps]
+    pairs = {(h.agent, h.model) for h in headers}
+    prompt_lens = [h.prompt_len for h in headers]
+    response_lens = [h.response_len for h in headers]
+    if (
+        not pairs <= limits.bindings
+        or min(prompt_lens) < 1
+        or max(prompt_lens) > limits.max_prompt_tokens
+        or min(response_lens) < 1
+        or max(response_lens) > limits.max_response_tokens
+        or min(h.version for h in headers) < 0
+        or not {h.finish_reason for h in headers} <= _FINISH_REASONS
+    ):
+        for i, h in enumerate(headers):
+            problem = _step_problem(h, limits)
+            if problem:
+                _fail(f"step {i}: {problem}")
+    total_p, total_r = sum(prompt_lens), sum(response_lens)
+    models = {limits.agent_models[agent] for agent, _ in pairs}
+    for name, raw, tokens in (
+        ("prompt_ids", msg.prompt_ids, total_p),
+        ("response_ids", msg.response_ids, total_r),
+        ("logprobs", msg.logprobs, total_r),
+    ):
+        if len(raw) != 4 * tokens:
+            _fail(f"{name} holds {len(raw)} bytes; the step headers say {tokens} tokens (x 4)")
+    vocabs = {limits.vocab_sizes[m] for m in models}
+    if len(vocabs) == 1:  # every model of the group shares one vocabulary: one test per buffer
+        vocab = vocabs.pop()
+        for name, raw in (("prompt", msg.prompt_ids), ("response", msg.response_ids)):
+            # one reduction: read as unsigned, a negative id is >= 2**31 > any vocabulary
+            if np.frombuffer(raw, dtype=_U32).max() >= vocab:
+                _fail(_which_ids(msg, limits) or f"a {name} token id is outside 0..{vocab - 1}")
+    else:
+        _check_ids_per_step(msg, limits)
+    values = unpack_logprobs(msg.logprobs)
+    # NaN fails both comparisons; -inf fails the first, anything positive the second
+    if not (values.min() > -math.inf and values.max() <= 0.0):
+        _fail("log-probs must be finite and <= 0")
 
 
-def _which_ids(steps: list[Step], limits: Limits, model: str, vocab: int) -> str:
-    """The refusal reason naming the first step and part with an out-of-vocabulary id."""
-    for i, step in enumerate(steps):
-        if limits.agent_models[step.agent] != model:
-            continue
-        for name, raw in (("prompt", step.prompt_ids), ("response", step.response_ids)):
-            ids = unpack_ids(raw)
-            if ids.min() < 0 or ids.max() >= vocab:
-                return (
-                    f"step {i}: {name} token id outside the vocabulary of {model!r} (size {vocab})"
-                )
-    return f"a token id is outside the vocabulary of {model!r} (size {vocab})"
+def _step_problem(h: StepHeader, limits: Limits) -> str:
+    """The first thing wrong with a step header in words, or "" if nothing is."""
+    model = limits.agent_models.get(h.agent)
+    if model is None:
+        return f"unknown agent {h.agent!r}; agents are {sorted(limits.agent_models)}"
+    if h.model != model:
+        return f"agent {h.agent!r} is bound to model {model!r}, step says {h.model!r}"
+    if not (1 <= h.prompt_len <= limits.max_prompt_tokens):
+        return f"prompt of {h.prompt_len} tokens outside 1..{limits.max_prompt_tokens}"
+    if not (1 <= h.response_len <= limits.max_response_tokens):
+        return f"response of {h.response_len} tokens outside 1..{limits.max_response_tokens}"
+    if h.version < 0:
+        return f"negative weight version {h.version}"
+    if h.finish_reason not in _FINISH_REASONS:
+        return f"finish_reason must be 'stop' or 'length', got {h.finish_reason!r}"
+    return ""
+
+
+def _check_ids_per_step(msg: GroupResult, limits: Limits) -> None:
+    """Models of different vocabularies in one group: test each step against its own."""
+    problem = _which_ids(msg, limits)
+    if problem:
+        _fail(problem)
+
+
+def _which_ids(msg: GroupResult, limits: Limits) -> str:
+    """The reason naming the first step and part with an out-of-vocabulary id, or ""."""
+    prompts, responses = unpack_ids(msg.prompt_ids), unpack_ids(msg.response_ids)
+    p = r = i = 0
+    for episode in msg.episodes:
+        for h in episode.steps:
+            vocab = limits.vocab_sizes[limits.agent_models[h.agent]]
+            for name, ids in (
+                ("prompt", prompts[p : p + h.prompt_len]),
+                ("response", responses[r : r + h.response_len]),
+            ):
+                if ids.min() < 0 or ids.max() >= vocab:
+                    return (
+                        f"step {i}: {name} token id outside the vocabulary of {h.model!r} "
+                        f"(size {vocab})"
+                    )
+            p, r, i = p + h.prompt_len, r + h.response_len, i + 1
+    return ""

@@ -19,12 +19,12 @@ from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode, pack_id
 from drmas.protocol.messages import (
     Episode,
     ErrorReply,
-    GroupResult,
     Hello,
     LeaseRequest,
     Leases,
     Step,
     Welcome,
+    pack_group,
 )
 from tests.integration.conftest import FAST, REPO, drmas, read_summary
 
@@ -147,7 +147,7 @@ def test_garbage_frames_are_refused_while_training_goes_on(
         )
         lease = leases[0]
         episodes = [Episode([bad_step(10**6)], 1.0) for _ in range(lease.group_size)]
-        bad = ask(encode(GroupResult("evil", lease.lease_id, lease.group_id, episodes)))
+        bad = ask(encode(pack_group("evil", lease.lease_id, lease.group_id, episodes)))
         assert bad.code == "invalid" and "vocabulary" in bad.reason
         assert isinstance(ask(encode(LeaseRequest("evil", 1, {}))), (Leases, ErrorReply))
         sock.close()

@@ -9,7 +9,7 @@ import pytest
 from drmas.broker.state import BrokerState
 from drmas.launch.config import load_config
 from drmas.protocol import pack_ids, pack_logprobs
-from drmas.protocol.messages import Episode, GroupResult, NoBatch, Step
+from drmas.protocol.messages import Episode, GroupResult, NoBatch, Step, pack_group
 from drmas.tasks.source import TaskSource
 
 
@@ -35,7 +35,7 @@ def step(agent: str, version: int = 0, valid: bool = True) -> Step:
 
 def result(lease, version: int = 0, rewards=(1.0, 0.0), actor: str = "a") -> GroupResult:
     episodes = [Episode([step("solver", version), step("verifier", version)], r) for r in rewards]
-    return GroupResult(actor, lease.lease_id, lease.group_id, episodes)
+    return pack_group(actor, lease.lease_id, lease.group_id, episodes)
 
 
 def test_admission_caps_in_flight_at_eta_plus_one_batches():
@@ -162,3 +162,30 @@ def test_actors_behind_the_learner_get_a_republish_of_its_version():
     st.weights_loaded("a", "solver", 4, ok=True)
     st.publish_done("solver", 4, 0.1, ok=True)
     assert not st.batch("solver", 0, 1, 4).republish
+
+
+def test_split_group_spans_give_back_each_models_steps_and_scores():
+    from drmas.broker.buffers import batch_samples, split_group
+
+    cfg = load_config(["group_size=2"])
+    steps = [
+        [step("solver"), step("verifier", version=2, valid=False), step("solver", version=3)],
+        [step("verifier", version=1), step("solver")],
+    ]
+    for i, s in enumerate(s for ep in steps for s in ep):  # distinct ids per step
+        s.prompt_ids = pack_ids([i] * (i + 1))
+        s.response_ids = pack_ids([i, i + 1])
+    episodes = [Episode(steps[0], 1.0), Episode(steps[1], 0.0)]
+    group = pack_group("a", 1, 7, episodes)
+    slices = split_group(7, None, group, {"solver": "solver", "verifier": "verifier"}, 0.5)
+    solver, verifier = slices["solver"], slices["verifier"]
+    assert solver.steps == [0, 2, 4] and verifier.steps == [1, 3]
+    assert (solver.min_version, verifier.min_version) == (0, 1)
+    assert verifier.columns.scores == [0.5, 0.0]  # the invalid step pays the penalty
+    assert verifier.columns.episode_ids == [0, 1]
+    samples = batch_samples([solver], cfg.algorithm.advantage)
+    expected = [steps[0][0], steps[0][2], steps[1][1]]
+    assert [(s.prompt_ids, s.response_ids, s.logprobs) for s in samples] == [
+        (e.prompt_ids, e.response_ids, e.logprobs) for e in expected
+    ]
+    assert [s.version for s in samples] == [0, 3, 0]

@@ -56,9 +56,7 @@ def _group(episodes: list[m.Episode] | None = None) -> m.GroupResult:
             ),
             m.Episode(steps=[_step(finish_reason="length")], reward=0.0),
         ]
-    return m.GroupResult(
-        client_id="actor-1", lease_id=5, group_id=9, episodes=episodes, generate_s=1.5
-    )
+    return m.pack_group("actor-1", 5, 9, episodes, generate_s=1.5)
 
 
 SAMPLE = m.Sample(
@@ -217,13 +215,14 @@ def test_arrays_travel_as_raw_little_endian_bytes() -> None:
     assert step.prompt_ids == b"".join(int(i).to_bytes(4, "little", signed=True) for i in ids)
     back = decode_to_broker(encode(_group([m.Episode([step], 1.0)])))
     assert isinstance(back, m.GroupResult)
-    got = back.episodes[0].steps[0]
+    got = back.unpack()[0].steps[0]
     np.testing.assert_array_equal(unpack_ids(got.response_ids), ids)
     np.testing.assert_array_equal(unpack_logprobs(got.logprobs), np.asarray(lp, dtype=np.float32))
     assert unpack_ids(got.response_ids).dtype == np.dtype("<i4")
     # raw bytes on the wire, not a msgpack array of numbers
-    raw = msgspec.msgpack.decode(encode(step))
-    assert isinstance(raw["response_ids"], bytes)
+    raw = msgspec.msgpack.decode(encode(_group([m.Episode([step], 1.0)])))
+    assert isinstance(raw["response_ids"], bytes) and len(raw["response_ids"]) == 16
+    assert raw["episodes"][0]["steps"][0]["response_len"] == 4
 
 
 def test_unpack_refuses_ragged_buffers() -> None:
@@ -471,3 +470,43 @@ def test_random_records_with_real_tags_decode_or_raise(
     # and every truncation of a real frame is refused, never crashes
     frame = msgspec.msgpack.encode(base)
     _decodes_or_refuses(frame[: len(frame) // 2])
+
+
+def test_group_travels_columnar_and_unpacks_to_the_same_steps() -> None:
+    episodes = [
+        m.Episode(
+            [_step(prompt_ids=pack_ids([7] * k)), _step(agent="verifier", model="big")], float(k)
+        )
+        for k in (1, 2, 3)
+    ]
+    group = decode_to_broker(encode(_group(episodes)))
+    assert isinstance(group, m.GroupResult)
+    assert [[h.prompt_len for h in e.steps] for e in group.episodes] == [[1, 3], [2, 3], [3, 3]]
+    assert len(group.prompt_ids) == 4 * (1 + 2 + 3 + 3 * 3)
+    assert group.unpack() == episodes
+
+
+def test_step_headers_must_agree_with_the_buffers() -> None:
+    group = _group()
+    group.episodes[0].steps[0].response_len += 1  # the header claims a token the buffer lacks
+    _invalid(check_group_result, group, LIMITS, 2, match=r"response_ids holds 24 bytes.* 7 tokens")
+    group = _group()
+    group.prompt_ids = memoryview(bytes(group.prompt_ids) + b"\0\0\0\0")
+    _invalid(check_group_result, group, LIMITS, 2, match=r"prompt_ids holds")
+
+
+def test_shared_vocabulary_groups_are_checked_in_one_pass() -> None:
+    same = Limits(agent_models=LIMITS.agent_models, vocab_sizes={"small": 100, "big": 100})
+    ok = [m.Episode([_step(), _step(agent="verifier", model="big")], 1.0)]
+    check_group_result(_group(ok), same, 1)
+    for bad in (pack_ids([4, -1]), pack_ids([4, 100])):
+        episodes = [
+            m.Episode([_step(), _step(agent="verifier", model="big", response_ids=bad)], 1.0)
+        ]
+        _invalid(
+            check_group_result,
+            _group(episodes),
+            same,
+            1,
+            match=r"step 1: response token id outside the vocabulary of 'big'",
+        )
