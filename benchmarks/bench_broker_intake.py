@@ -200,7 +200,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--groups", type=int, default=1000)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--out", default="benchmarks/results/broker_intake.json")
     args = parser.parse_args()
     steps = args.groups * args.group_size * 2
