@@ -55,7 +55,10 @@ class Actor:
         self.id = actor_id
         self.models = cfg.actor.models or sorted(cfg.models)
         self.client = BrokerClient(
-            cfg.broker.address, actor_id, max_message_bytes=cfg.broker.max_message_bytes
+            cfg.broker.address,
+            actor_id,
+            max_message_bytes=cfg.broker.max_message_bytes,
+            security=cfg.security,
         )
         self.engines: dict[str, Engine] = {}
         self.running: dict[int, asyncio.Task[list[Episode]]] = {}

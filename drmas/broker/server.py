@@ -88,7 +88,7 @@ class BrokerServer:
         )
         self.ctx = zmq.Context()
         self.sock, self.address = bind_router(
-            self.ctx, cfg.broker.address, cfg.broker.max_message_bytes
+            self.ctx, cfg.broker.address, cfg.broker.max_message_bytes, cfg.security
         )
         self._stop = False
         self._shutdown_sent = False

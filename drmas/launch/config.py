@@ -14,10 +14,11 @@ from typing import get_args
 
 from drmas.actors.config import ActorConfig, EngineName, SamplingConfig, WorkflowConfig
 from drmas.broker.config import AdvantageConfig, AdvantageMode, BrokerConfig
+from drmas.checkpoints.config import CheckpointConfig
 from drmas.learners.config import ISCorrection, LearnerConfig, LossAgg, LossConfig
 from drmas.models.config import ModelConfig
 from drmas.tasks.config import TaskConfig
-from drmas.transports.config import WeightSyncConfig
+from drmas.transports.config import SecurityConfig, WeightSyncConfig
 
 
 class ConfigError(ValueError):
@@ -82,6 +83,9 @@ class RunConfig:
     """Run folder (config.yaml, metrics.jsonl, logs/, models/); empty = runs/<time>."""
     cache_dir: str = ""
     """Builtin model cache; empty = $DRMAS_CACHE or ~/.cache/drmas."""
+    resume: str = ""
+    """A run folder to continue from its last complete checkpoint (versions, optimizer,
+    data cursor and metrics continue); empty = a fresh run."""
 
 
 @dataclass
@@ -107,6 +111,8 @@ class DrmasConfig:
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     val: ValConfig = field(default_factory=ValConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         check(self)

@@ -80,6 +80,7 @@ def run_learner(cfg: DrmasConfig, model: str, rank: int, world_size: int) -> Non
             cfg.broker.address,
             f"learner-{model}-{rank}",
             max_message_bytes=cfg.broker.max_message_bytes,
+            security=cfg.security,
         )
         welcome = client.hello(
             "learner", [model], rank=rank, world_size=world_size, timeout_s=cfg.learner.timeout_s

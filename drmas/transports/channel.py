@@ -27,6 +27,7 @@ from drmas.protocol import (
     encode,
 )
 from drmas.protocol.messages import ErrorReply, FromBroker, Hello, Role, Welcome
+from drmas.transports.config import SecurityConfig
 
 T = TypeVar("T")
 
@@ -39,7 +40,12 @@ class BrokerRefused(RuntimeError):
     """The broker answered with an ErrorReply."""
 
 
-def bind_router(ctx: zmq.Context, address: str, max_message_bytes: int) -> tuple[zmq.Socket, str]:
+def bind_router(
+    ctx: zmq.Context,
+    address: str,
+    max_message_bytes: int,
+    security: SecurityConfig | None = None,
+) -> tuple[zmq.Socket, str]:
     """Bind the broker's ROUTER; port 0 picks a free port. Returns (socket, bound address)."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -65,6 +71,7 @@ class BrokerClient:
         *,
         max_message_bytes: int = 256 * 1024 * 1024,
         ctx: zmq.Context | None = None,
+        security: SecurityConfig | None = None,
     ) -> None:
         self.address = address
         self.client_id = client_id

@@ -19,3 +19,19 @@ class WeightSyncConfig:
     """Address the learner's weight-group store binds and advertises."""
     verify_digest: bool = True
     """Fingerprint weights on both sides of every publish; the broker compares them."""
+
+
+@dataclass
+class SecurityConfig:
+    """Authentication and encryption of the broker's ZeroMQ socket (DESIGN.md §7)."""
+
+    curve: bool = False
+    """ZeroMQ CURVE: encrypt every broker connection and accept only listed client keys."""
+    keys_dir: str = ""
+    """Folder written by `drmas keys`: broker.key(_secret), clients/<name>.key(_secret),
+    authorized/ (public keys the broker accepts). Empty = RUN_DIR/keys or ./keys."""
+    client_name: str = ""
+    """Which client key pair this process uses (clients/<name>); empty = "default"."""
+    allow_insecure: bool = False
+    """Bind the broker to a non-loopback address without CURVE (warns). Only on networks
+    where every host is trusted: anyone who can reach the port can read and inject."""
