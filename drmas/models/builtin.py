@@ -67,6 +67,18 @@ TINY_QWEN2: dict[str, Any] = {
 }
 """Architecture of builtin:tiny-qwen2 (vocab, eos and pad come from the tokenizer)."""
 
+SMALL_QWEN2: dict[str, Any] = {
+    **TINY_QWEN2,
+    "hidden_size": 256,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "intermediate_size": 1024,
+}
+"""builtin:small-qwen2: same tokenizer, about 6x the parameters of tiny-qwen2 (for teams
+whose agents run models of different sizes, e.g. a larger Verifier)."""
+
+ARCHITECTURES = {"tiny-qwen2": TINY_QWEN2, "small-qwen2": SMALL_QWEN2}
+
 
 @dataclass(frozen=True)
 class ArithmeticSpec:
@@ -130,7 +142,7 @@ def cache_key(name: str, warmstart: WarmStartConfig) -> str:
     """Folder name: the builtin's name and a hash of everything that determines its bytes."""
     spec = {
         "name": name,
-        "architecture": TINY_QWEN2,
+        "architecture": ARCHITECTURES[name],
         "special_tokens": SPECIAL_TOKENS,
         "alphabet": ALPHABET,
         "warmstart": asdict(warmstart),
@@ -248,6 +260,16 @@ def _check_char_level(tokenizer: PreTrainedTokenizerBase) -> None:
 
 
 def build_tiny_qwen2(folder: Path, warmstart: WarmStartConfig) -> None:
+    """builtin:tiny-qwen2, the embedded default (0.8M parameters)."""
+    build_qwen2(folder, warmstart, TINY_QWEN2)
+
+
+def build_small_qwen2(folder: Path, warmstart: WarmStartConfig) -> None:
+    """builtin:small-qwen2 (about 5M parameters)."""
+    build_qwen2(folder, warmstart, SMALL_QWEN2)
+
+
+def build_qwen2(folder: Path, warmstart: WarmStartConfig, architecture: dict[str, Any]) -> None:
     """Write the tokenizer and a (warm-started) Qwen2ForCausalLM into `folder`."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -259,7 +281,7 @@ def build_tiny_qwen2(folder: Path, warmstart: WarmStartConfig) -> None:
         eos_token_id=written.eos_token_id,
         pad_token_id=written.pad_token_id,
         use_sliding_window=False,
-        **TINY_QWEN2,
+        **architecture,
     )
     config.save_pretrained(folder)
     _save_tokenizer(written, folder)
@@ -282,7 +304,7 @@ def build_tiny_qwen2(folder: Path, warmstart: WarmStartConfig) -> None:
     model.save_pretrained(folder)
 
 
-BUILTINS = {"tiny-qwen2": build_tiny_qwen2}
+BUILTINS = {"tiny-qwen2": build_tiny_qwen2, "small-qwen2": build_small_qwen2}
 
 
 # ---------------------------------------------------------------------------------------
