@@ -22,6 +22,15 @@ class EngineConfig:
     """Inference dtype."""
     seed: int = 0
     """Sampling seed; each actor adds a hash of its id, so actors sample independently."""
+    sim_token_latency_s: float = 0.005
+    """sim engine: seconds one decode step takes, for the whole running batch at once."""
+    sim_prompt_latency_s_per_token: float = 0.00002
+    """sim engine: prefill seconds per prompt token admitted (summed over the admitted batch)."""
+    sim_stop_prob: float = 0.02
+    """sim engine: chance that a sampled token is EOS (finish_reason "stop")."""
+    sim_vocab_size: int = 0
+    """sim engine: sample token ids below this; 0 (or more than the model has) = the model's
+    whole vocabulary."""
 
 
 @dataclass

@@ -76,6 +76,8 @@ class BrokerState:
         self.planned: dict[str, int] = {}  # model -> version of its last weight-group plan
         self.publishing: dict[str, float] = {}  # model -> deadline of the publish in flight
         self.loaded_digest: dict[tuple[str, int], dict[str, str]] = {}
+        # actor -> {model: version} it must hold before its first lease (attached mid-run)
+        self.attach_versions: dict[str, dict[str, int]] = {}
         self.train_sampling = SamplingParams(
             cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens
         )
@@ -95,6 +97,9 @@ class BrokerState:
             self.drop_actor(client_id, "re-registered")  # a restart under the same id
         self.table.actors[client_id] = ActorRecord(client_id, host, pid, models, now)
         self.counters["actors_joined"] += 1
+        # DESIGN §3: an actor attaching mid-run first gets the current weights (the next
+        # publish, or a re-publish to stale actors) and only then leases.
+        self.attach_versions[client_id] = {m: v for m, v in self.versions.items() if v > 0}
         return ""
 
     def add_learner(self, client_id: str, model: str, rank: int, now: float) -> None:
@@ -114,6 +119,7 @@ class BrokerState:
         return False
 
     def drop_actor(self, client_id: str, why: str) -> None:
+        self.attach_versions.pop(client_id, None)
         for record in self.table.remove_actor(client_id):
             self._requeue(record.task, record.eval_round)
             self.counters["leases_reissued"] += 1
@@ -183,6 +189,9 @@ class BrokerState:
     ) -> Leases:
         actor = self.table.actors[client_id]
         self.seen(client_id, now, versions)
+        waiting = self._attach_wait(actor)
+        if waiting:
+            return Leases(leases=[], retry_after_s=0.2, reason=waiting)
         out: list[Lease] = []
         reason = ""
         while len(out) < max_groups and self.eval_queue:
@@ -217,6 +226,20 @@ class BrokerState:
         if out:
             self.counters["leases_issued"] += len(out)
         return Leases(leases=out, retry_after_s=0.0 if out else 0.1, reason=reason)
+
+    def _attach_wait(self, actor: ActorRecord) -> str:
+        """Why an actor that attached mid-run gets no lease yet ("" once it holds, for every
+        model, at least the version current when it said Hello)."""
+        need = self.attach_versions.get(actor.client_id)
+        if not need:
+            return ""
+        held = actor.versions
+        behind = [f"{m} v{held.get(m, 0)} < v{v}" for m, v in need.items() if held.get(m, 0) < v]
+        if behind:
+            return f"attached mid-run, waiting for the current weights: {', '.join(behind)}"
+        del self.attach_versions[actor.client_id]
+        self.counters["actors_synced_on_attach"] += 1
+        return ""
 
     def owned_group_size(self, client_id: str, lease_id: int) -> int | None:
         record = self.table.owned(lease_id, client_id)

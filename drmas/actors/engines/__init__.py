@@ -14,7 +14,13 @@ def _hf(model_name: str, path: str, cfg: EngineConfig) -> Engine:
     return HFEngine(model_name, Path(path), cfg)
 
 
-_ENGINES = {"hf": _hf}
+def _sim(model_name: str, path: str, cfg: EngineConfig) -> Engine:
+    from drmas.actors.engines.sim import SimEngine
+
+    return SimEngine(model_name, path, cfg)
+
+
+_ENGINES = {"hf": _hf, "sim": _sim}
 
 
 def make_engine(model_name: str, path: str, cfg: EngineConfig) -> Engine:
@@ -23,6 +29,6 @@ def make_engine(model_name: str, path: str, cfg: EngineConfig) -> Engine:
     if factory is None:
         raise ValueError(
             f"actor.engine.name={cfg.name!r} is not available in this build "
-            f"(available: {sorted(_ENGINES)}); use actor.engine.name=hf"
+            f"(available: {sorted(_ENGINES)}); use actor.engine.name=hf (or sim: no model, a timing model)"
         )
     return factory(model_name, path, cfg)

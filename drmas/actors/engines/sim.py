@@ -1,0 +1,307 @@
+"""The `sim` engine: the Engine protocol with no model, for scale and scheduling tests.
+
+Who calls it: the same as every engine (base.py): workflow coroutines call `generate`
+concurrently, the actor process pauses it, feeds it a weight broadcast through
+`load_weights` and reads `weights_digest`. It talks to nothing itself.
+
+Timing model (a GPU-like batched decoder, no compute on this machine):
+
+* one background task owns the "device"; each iteration it admits pending requests while
+  the running batch has room (`max_batch`) and sleeps `sim_prompt_latency_s_per_token` ×
+  (their prompt tokens summed) once for that prefill, then
+* runs one decode step for every running row: a single sleep of `sim_token_latency_s`
+  for the whole batch (so 64 concurrent requests finish as fast as one: concurrency helps
+  as it does on a GPU), sampling one token per row;
+* a row ends with "stop" when its token is EOS (probability `sim_stop_prob` per token) or
+  a stop string appears, else with "length" at `max_new_tokens`.
+
+Tokens are uniform over [0, V) minus the special ids (V = the model's vocabulary, or
+`sim_vocab_size` if smaller), so every id passes the broker's vocabulary check; each
+log-prob is the log of a uniform over those ids and EOS: finite and <= 0. The random stream is seeded from the engine seed
+and the model name. `prefill_steps` / `decode_steps` count the batched steps, so tests can
+check batching without reading a clock.
+
+Weights: nothing is loaded from disk (only the tokenizer, which workflows need). A broadcast
+is consumed tensor by tensor into a digest (drmas.transports.digest) over exactly what
+arrived, so the broker's learner-vs-actor fingerprint check passes, and `version` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import random
+import zlib
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from drmas.actors.config import EngineConfig
+from drmas.actors.engines.base import GenerateRequest, GenerateResult
+
+if TYPE_CHECKING:
+    import torch
+
+    from drmas.transports.digest import Digest
+
+log = logging.getLogger("drmas.engine.sim")
+
+
+@dataclass(eq=False)
+class _Row:
+    """One request from admission to its result."""
+
+    request: GenerateRequest
+    future: asyncio.Future[GenerateResult]
+    version: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+class SimEngine:
+    """Engine protocol (drmas/actors/engines/base.py) with a timing model instead of a model."""
+
+    def __init__(self, model_name: str, model_path: str | Path, cfg: EngineConfig) -> None:
+        if cfg.max_batch < 1:
+            raise ValueError(f"actor.engine.max_batch must be >= 1, got {cfg.max_batch}")
+        if cfg.sim_token_latency_s < 0 or cfg.sim_prompt_latency_s_per_token < 0:
+            raise ValueError(
+                "actor.engine.sim_token_latency_s and sim_prompt_latency_s_per_token must be "
+                f">= 0, got {cfg.sim_token_latency_s} and {cfg.sim_prompt_latency_s_per_token}"
+            )
+        if not 0.0 <= cfg.sim_stop_prob <= 1.0:
+            raise ValueError(
+                f"actor.engine.sim_stop_prob must be in [0, 1], got {cfg.sim_stop_prob}"
+            )
+        if cfg.sim_vocab_size < 0:
+            raise ValueError(f"actor.engine.sim_vocab_size must be >= 0, got {cfg.sim_vocab_size}")
+        self.model_name = model_name
+        self.model_path = Path(model_path) if str(model_path) else None
+        self.cfg = cfg
+        self.version = 0
+        self.tokenizer: Any = None
+        self.vocab_size = 0
+        """Ids a prompt may use (the model's vocabulary)."""
+        self.eos_token_id = 0
+        self.tokens_generated = 0
+        """Tokens sampled since start (all requests)."""
+        self.prefill_steps = 0
+        """Batched prefills run (one per admission of pending requests)."""
+        self.decode_steps = 0
+        """Batched decode steps run (one sleep each, whatever the batch size)."""
+        self.weight_loads = 0
+        """load_weights calls (one per received bucket)."""
+        self._rng = random.Random(cfg.seed * 1_000_003 + zlib.crc32(model_name.encode()))
+        self._sample_ids: list[int] = []
+        self._logprob = 0.0
+        self._digest: Digest | None = None
+        self._digest_version = -1
+        self._pending: deque[_Row] = deque()
+        self._running: list[_Row] = []
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._wake = asyncio.Event()
+        self._hold = False
+        self._held = asyncio.Event()
+        self._resumed = asyncio.Event()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load_tokenizer)
+        self._task = asyncio.create_task(self._loop(), name=f"sim-engine:{self.model_name}")
+        self._task.add_done_callback(self._on_loop_exit)
+
+    def _load_tokenizer(self) -> None:
+        """The model folder's tokenizer (never its weights), or the builtin character
+        tokenizer when no folder is given."""
+        if self.model_path is None:
+            from drmas.models.builtin import char_tokenizer
+
+            self.tokenizer = char_tokenizer()
+            model_vocab = len(self.tokenizer)
+        else:
+            from transformers import AutoTokenizer
+
+            if not self.model_path.is_dir():
+                raise FileNotFoundError(
+                    f"sim engine for {self.model_name!r}: {self.model_path} is not a model "
+                    "folder (it needs the tokenizer and config.json; run `drmas prepare`)"
+                )
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            model_vocab = _config_vocab_size(self.model_path) or len(self.tokenizer)
+        self.vocab_size = model_vocab
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_id = int(eos) if eos is not None else 0
+        limit = min(model_vocab, self.cfg.sim_vocab_size or model_vocab)
+        special = set(getattr(self.tokenizer, "all_special_ids", []))
+        self._sample_ids = [i for i in range(limit) if i not in special] or list(range(limit))
+        self._logprob = -math.log(len(self._sample_ids) + 1)  # uniform over ids and EOS
+        log.info(
+            "%s: sim engine, vocabulary %d (sampling %d ids), eos %d, %.4fs per decode step",
+            self.model_name,
+            model_vocab,
+            len(self._sample_ids),
+            self.eos_token_id,
+            self.cfg.sim_token_latency_s,
+        )
+
+    def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
+        """A scheduler that died of a bug must not leave callers waiting forever."""
+        if task.cancelled() or task.exception() is None:
+            return
+        error = RuntimeError(f"engine {self.model_name!r} scheduler stopped: {task.exception()!r}")
+        _fail([*self._pending, *self._running], error)
+        self._pending.clear()
+        self._running = []
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        rows = [*self._pending, *self._running]
+        self._pending.clear()
+        self._running = []
+        _fail(rows, RuntimeError("engine closed"))
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    # ---------------------------------------------------------------- requests
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if self._closed:
+            raise RuntimeError("engine closed")
+        if self._task is None:
+            raise RuntimeError(f"engine {self.model_name!r}: call start() before generate()")
+        if self._task.done():
+            raise RuntimeError(f"engine {self.model_name!r}: scheduler stopped")
+        if not request.prompt_ids:
+            raise ValueError("empty prompt")
+        if request.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token id outside the vocabulary [0, {self.vocab_size})")
+        if request.max_new_tokens == 0:
+            return GenerateResult([], [], "length", self.version)
+        future: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Row(request, future))
+        self._wake.set()
+        return await future
+
+    async def pause(self) -> None:
+        self._hold = True
+        self._resumed.clear()
+        if self._task is None or self._task.done():
+            return
+        self._wake.set()
+        await self._held.wait()
+
+    async def resume(self) -> None:
+        self._hold = False
+        self._resumed.set()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Consume the tensors into a digest of what arrived. The actor calls this once per
+        received bucket of a publish: calls with the same version add to one digest, a new
+        version starts a fresh one."""
+        from drmas.transports.digest import Digest
+
+        if self._digest is None or version != self._digest_version:
+            self._digest, self._digest_version = Digest(), version
+        for name, tensor in named_tensors:
+            self._digest.add(name, tensor)
+        self.weight_loads += 1
+        self.version = version
+
+    def weights_digest(self) -> str:
+        """Fingerprint of every tensor received for the current version ("" before any)."""
+        return self._digest.hexdigest() if self._digest is not None else ""
+
+    # ---------------------------------------------------------------- scheduler
+
+    async def _loop(self) -> None:
+        while True:
+            if self._hold:
+                self._held.set()
+                await self._resumed.wait()
+                continue
+            self._held.clear()
+            if not self._pending and not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            newcomers = self._take_pending()
+            if newcomers:
+                prompt_tokens = sum(len(row.request.prompt_ids) for row in newcomers)
+                self.prefill_steps += 1
+                await asyncio.sleep(prompt_tokens * self.cfg.sim_prompt_latency_s_per_token)
+                for row in newcomers:
+                    row.version = self.version
+                self._running.extend(newcomers)
+            await asyncio.sleep(self.cfg.sim_token_latency_s)
+            self.decode_steps += 1
+            self._running = [row for row in self._running if not self._advance(row)]
+
+    def _take_pending(self) -> list[_Row]:
+        taken: list[_Row] = []
+        while self._pending and len(self._running) + len(taken) < self.cfg.max_batch:
+            row = self._pending.popleft()
+            if not row.future.done():  # the caller gave up waiting
+                taken.append(row)
+        return taken
+
+    def _advance(self, row: _Row) -> bool:
+        """Sample one token for `row`; True when the row is finished (resolved or dropped)."""
+        if row.future.done():  # cancelled by its caller
+            return True
+        if self._rng.random() < self.cfg.sim_stop_prob:
+            token = self.eos_token_id
+        else:
+            token = self._sample_ids[self._rng.randrange(len(self._sample_ids))]
+        row.tokens.append(token)
+        self.tokens_generated += 1
+        request = row.request
+        if token == self.eos_token_id or (request.stop and self._hit_stop(row)):
+            reason = "stop"
+        elif len(row.tokens) >= request.max_new_tokens:
+            reason = "length"
+        else:
+            return False
+        logprobs = [self._logprob] * len(row.tokens)
+        row.future.set_result(GenerateResult(row.tokens, logprobs, reason, row.version))
+        return True
+
+    def _hit_stop(self, row: _Row) -> bool:
+        """As the hf engine: decode only the tail that could hold a stop string."""
+        stops = row.request.stop
+        window = 4 * max(len(s) for s in stops) + 8
+        text = self.tokenizer.decode(row.tokens[-window:], skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+
+def _config_vocab_size(folder: Path) -> int:
+    """vocab_size from the folder's config.json (what the broker validates ids against)."""
+    path = folder / "config.json"
+    if not path.exists():
+        return 0
+    data = json.loads(path.read_text())
+    return int(data.get("vocab_size") or data.get("text_config", {}).get("vocab_size") or 0)
+
+
+def _fail(rows: Iterable[_Row], error: BaseException) -> None:
+    for row in rows:
+        if not row.future.done():
+            row.future.set_exception(error)
