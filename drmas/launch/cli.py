@@ -5,7 +5,8 @@
     drmas broker  [overrides] [--config F]    the coordinator (one per run)
     drmas actor   [overrides] [--config F]    a rollout actor; attach more at any time
     drmas learner --model M [overrides]       one learner rank (under torchrun for R > 1)
-    drmas status  ADDRESS [--json]            what is attached to a running broker
+    drmas status  ADDRESS [--json] [--keys D] what is attached to a running broker
+    drmas keys    DIR [--clients a,b]         CURVE key pairs for broker and clients
 
 Overrides use hydra syntax (`train.steps=10 experiment=tiny_math_shared`). `--config`
 loads a resolved RUN_DIR/config.yaml instead of composing configs/.
@@ -17,6 +18,10 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from drmas.launch.config import DrmasConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,7 +47,53 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("address", help="broker address, e.g. tcp://127.0.0.1:5555")
     status.add_argument("--json", action="store_true", help="print JSON")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+    status.add_argument(
+        "--keys", default="", help="keys folder of a CURVE broker (security.curve=true)"
+    )
+    status.add_argument(
+        "--client", default="", help="client key pair in KEYS/clients to use (default: default)"
+    )
+    keys = sub.add_parser(
+        "keys",
+        help="write CURVE key pairs: the broker's and one per client (security.curve=true)",
+        description="Writes DIR/broker.key(_secret), DIR/clients/NAME.key(_secret) and "
+        "DIR/authorized/NAME.key (the public keys the broker admits). Secret files are "
+        "mode 600. Copy broker.key_secret + authorized/ to the broker's node, broker.key + "
+        "clients/NAME.key_secret to each client's node.",
+    )
+    keys.add_argument("dir", help="folder to write (security.keys_dir; the default is ./keys)")
+    keys.add_argument(
+        "--clients",
+        default="default",
+        help="comma-separated client names, one key pair each (security.client_name)",
+    )
+    keys.add_argument(
+        "--force", action="store_true", help="replace existing keys (all old keys stop working)"
+    )
     return p
+
+
+def _keys(folder: str, clients: str, *, force: bool) -> int:
+    from pathlib import Path
+
+    from drmas.transports.security import SecurityError, write_keys
+
+    root = Path(folder).expanduser().resolve()
+    names = [c.strip() for c in clients.split(",") if c.strip()]
+    try:
+        written = write_keys(root, names, force=force)
+    except SecurityError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    print(
+        f"drmas keys: broker and client key pairs ({', '.join(names)}) in {root}. Run with "
+        f"security.curve=true security.keys_dir={root} (clients: security.client_name=NAME, "
+        "default 'default'); the broker admits the public keys in authorized/.",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _logging(role: str) -> None:
@@ -58,7 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         from drmas.launch.status import print_status
 
-        return print_status(args.address, as_json=args.json, timeout_s=args.timeout)
+        return print_status(
+            args.address,
+            as_json=args.json,
+            timeout_s=args.timeout,
+            keys_dir=args.keys,
+            client_name=args.client,
+        )
+    if args.command == "keys":
+        return _keys(args.dir, args.clients, force=args.force)
 
     from drmas.launch.config import ConfigError, load_config
 
@@ -82,6 +141,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(run_dir / "config.yaml")
         return 0
+    from drmas.transports.security import SecurityError
+
+    try:
+        return _run_role(args, cfg)
+    except SecurityError as exc:  # missing keys or an insecure bind: nothing to retry
+        print(f"drmas {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_role(args: argparse.Namespace, cfg: DrmasConfig) -> int:
     if args.command == "broker":
         from drmas.launch.roles import run_broker
 

@@ -1,4 +1,4 @@
-"""`drmas status ADDRESS`: ask a running broker what is attached."""
+"""`drmas status ADDRESS [--keys DIR]`: ask a running broker what is attached."""
 
 from __future__ import annotations
 
@@ -9,15 +9,28 @@ import sys
 import msgspec
 
 
-def print_status(address: str, *, as_json: bool, timeout_s: float) -> int:
+def print_status(
+    address: str, *, as_json: bool, timeout_s: float, keys_dir: str = "", client_name: str = ""
+) -> int:
+    """Ask once; a CURVE broker needs keys_dir (its clients/<client_name> key pair)."""
     from drmas.protocol.messages import StatusReply, StatusRequest
     from drmas.transports.channel import BrokerClient, BrokerUnavailable
+    from drmas.transports.config import SecurityConfig
+    from drmas.transports.security import SecurityError
 
-    client = BrokerClient(address, f"status-{os.getpid()}")
+    security = SecurityConfig(curve=bool(keys_dir), keys_dir=keys_dir, client_name=client_name)
+    try:
+        client = BrokerClient(address, f"status-{os.getpid()}", security=security)
+    except SecurityError as exc:
+        print(f"drmas status: {exc}", file=sys.stderr)
+        return 2
     try:
         reply = client.request(StatusRequest(), StatusReply, timeout_s)
     except BrokerUnavailable as exc:
-        print(f"drmas status: {exc}", file=sys.stderr)
+        hint = (
+            "" if keys_dir else " (a broker with security.curve=true answers only with --keys DIR)"
+        )
+        print(f"drmas status: {exc}{hint}", file=sys.stderr)
         return 1
     finally:
         client.close()

@@ -28,7 +28,12 @@ from drmas.launch.supervisor import Supervisor
 def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path]:
     """Resolve run folder, model folders, addresses and ports; write config.yaml."""
     from drmas.models.builtin import resolve_model_path
+    from drmas.transports.security import check_bind, check_keys, keys_dir
 
+    # fail before building anything; children read keys_dir from config.yaml: absolute
+    security = dataclasses.replace(cfg.security, keys_dir=str(keys_dir(cfg.security)))
+    check_bind(cfg.broker.address, security)
+    check_keys(security)
     run_dir = Path(cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     models = {
@@ -46,6 +51,7 @@ def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path]:
         run=dataclasses.replace(cfg.run, dir=str(run_dir)),
         models=models,
         broker=dataclasses.replace(cfg.broker, address=address),
+        security=security,
     )
     (run_dir / "config.yaml").write_text(to_yaml(resolved))
     return resolved, run_dir

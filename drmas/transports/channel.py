@@ -10,12 +10,29 @@ Socket semantics, written where the sockets are made:
   a late joiner simply connects and says Hello. Requests are retried by the caller;
   every receive has an explicit timeout. Messages the broker sends unsolicited
   (JoinWeightGroup, Shutdown) that arrive while waiting for a reply are kept in `inbox`.
+
+Security (DESIGN.md §7, keys in drmas/transports/security.py):
+- security.curve=true: the ROUTER is a CURVE server and a ZAP handler admits only the
+  client keys in KEYS_DIR/authorized/; clients are CURVE clients with their own key pair.
+  A client without an authorized key (a wrong key pair, or no CURVE at all) can open a
+  TCP connection and start a handshake, nothing more: the ZAP handler (or the mechanism
+  mismatch) drops the handshake, so it can neither inject a frame (nothing reaches the
+  broker's loop, no counter moves) nor read one (traffic is encrypted; it is sent
+  nothing); its requests just time out. What it can still cost: one key lookup per
+  handshake attempt and a file descriptor per open connection, like any open TCP port.
+- Without CURVE the broker binds only loopback (127.0.0.0/8, ::1, localhost, ipc://,
+  inproc://); any other address is refused unless security.allow_insecure=true, which
+  logs a warning: then anyone who can reach the port can read and inject.
+- Either way every socket keeps MAXMSGSIZE (broker.max_message_bytes), so even an
+  admitted client cannot make the broker buffer an oversized frame; every admitted
+  frame is still decoded and validated before it touches state (broker/server.py).
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from typing import TypeVar
 
 import zmq
@@ -28,6 +45,7 @@ from drmas.protocol import (
 )
 from drmas.protocol.messages import ErrorReply, FromBroker, Hello, Role, Welcome
 from drmas.transports.config import SecurityConfig
+from drmas.transports.security import check_bind, secure_client, secure_server
 
 T = TypeVar("T")
 
@@ -40,24 +58,50 @@ class BrokerRefused(RuntimeError):
     """The broker answered with an ErrorReply."""
 
 
+class _RouterSocket(zmq.Socket):
+    """The broker's ROUTER; closing it also stops its ZAP handler (when CURVE is on),
+    so the owner's usual close-then-ctx.term() does not hang on the handler's socket."""
+
+    _release: Callable[[], None] | None = None  # class attribute: pyzmq treats unknown
+    # instance attributes as socket options unless the class declares them
+
+    def close(self, linger: int | None = None) -> None:
+        super().close(linger)
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
 def bind_router(
     ctx: zmq.Context,
     address: str,
     max_message_bytes: int,
     security: SecurityConfig | None = None,
 ) -> tuple[zmq.Socket, str]:
-    """Bind the broker's ROUTER; port 0 picks a free port. Returns (socket, bound address)."""
-    sock = ctx.socket(zmq.ROUTER)
+    """Bind the broker's ROUTER; port 0 picks a free port. Returns (socket, bound address).
+
+    Raises SecurityError (a ValueError) for a non-loopback bind without CURVE unless
+    security.allow_insecure, and when CURVE is on but its keys are missing.
+    """
+    security = security or SecurityConfig()
+    check_bind(address, security)
+    sock = ctx.socket(zmq.ROUTER, socket_class=_RouterSocket)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.SNDHWM, 10_000)
     sock.setsockopt(zmq.RCVHWM, 10_000)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.LINGER, 0)
-    if address.endswith(":0"):
-        port = sock.bind_to_random_port(address[: -len(":0")])
-        address = f"{address[: -len(':0')]}:{port}"
-    else:
-        sock.bind(address)
+    try:
+        if security.curve:
+            sock._release = secure_server(ctx, sock, security)
+        if address.endswith(":0"):
+            port = sock.bind_to_random_port(address[: -len(":0")])
+            address = f"{address[: -len(':0')]}:{port}"
+        else:
+            sock.bind(address)
+    except BaseException:
+        sock.close(linger=0)
+        raise
     return sock, address
 
 
@@ -82,6 +126,12 @@ class BrokerClient:
         self.sock.setsockopt(zmq.RCVHWM, 10_000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if security is not None and security.curve:
+            try:
+                secure_client(self.sock, security)
+            except BaseException:
+                self.sock.close(linger=0)
+                raise
         self.sock.connect(address)
         self.inbox: collections.deque[FromBroker] = collections.deque()
 

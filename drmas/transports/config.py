@@ -16,22 +16,28 @@ class WeightSyncConfig:
     backend: str = "auto"
     """auto: nccl when the learner is on CUDA, else gloo."""
     host: str = "127.0.0.1"
-    """Address the learner's weight-group store binds and advertises."""
+    """Address the learner's weight-group store binds and advertises to actors; "auto" =
+    this node's address on the route to the broker (multi-node deployments)."""
     verify_digest: bool = True
     """Fingerprint weights on both sides of every publish; the broker compares them."""
 
 
 @dataclass
 class SecurityConfig:
-    """Authentication and encryption of the broker's ZeroMQ socket (DESIGN.md §7)."""
+    """Authentication and encryption of the broker's ZeroMQ socket (DESIGN.md §7).
+
+    Covers broker <-> actor/learner/status traffic only; the weight and learner groups
+    (gloo/NCCL over TCP) are not covered: keep them on a private network.
+    """
 
     curve: bool = False
-    """ZeroMQ CURVE: encrypt every broker connection and accept only listed client keys."""
+    """ZeroMQ CURVE: encrypt every broker connection and admit only keys in authorized/."""
     keys_dir: str = ""
-    """Folder written by `drmas keys`: broker.key(_secret), clients/<name>.key(_secret),
-    authorized/ (public keys the broker accepts). Empty = RUN_DIR/keys or ./keys."""
+    """Folder written by `drmas keys DIR`: broker.key(_secret), clients/<name>.key(_secret),
+    authorized/ (public keys the broker accepts). Empty = ./keys in the working directory;
+    `drmas train`/`prepare` write it as an absolute path into RUN_DIR/config.yaml."""
     client_name: str = ""
-    """Which client key pair this process uses (clients/<name>); empty = "default"."""
+    """Which client key pair this process uses (clients/<name>.key_secret); empty = "default"."""
     allow_insecure: bool = False
     """Bind the broker to a non-loopback address without CURVE (warns). Only on networks
     where every host is trusted: anyone who can reach the port can read and inject."""

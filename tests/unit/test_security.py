@@ -1,0 +1,174 @@
+"""CURVE keys and the bind rules: key layout, permissions, overwrite refusal, loopback."""
+
+from __future__ import annotations
+
+import logging
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.auth
+
+from drmas.launch.cli import main as cli
+from drmas.transports.channel import bind_router
+from drmas.transports.config import SecurityConfig
+from drmas.transports.security import (
+    SecurityError,
+    check_bind,
+    check_keys,
+    is_loopback,
+    keys_dir,
+    write_keys,
+)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_keys_layout_and_permissions(tmp_path: Path) -> None:
+    root = tmp_path / "keys"
+    assert cli(["keys", str(root), "--clients", "actors,ops"]) == 0
+    files = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+    assert files == {
+        "broker.key",
+        "broker.key_secret",
+        "clients/actors.key",
+        "clients/actors.key_secret",
+        "clients/ops.key",
+        "clients/ops.key_secret",
+        "authorized/actors.key",
+        "authorized/ops.key",
+    }
+    for secret in ["broker.key_secret", "clients/actors.key_secret", "clients/ops.key_secret"]:
+        assert mode(root / secret) == 0o600, secret
+        public, secret_key = zmq.auth.load_certificate(root / secret)
+        assert secret_key is not None and len(secret_key) == 40  # z85 of 32 bytes
+        # the matching public file holds the same public key and no secret
+        assert zmq.auth.load_certificate(root / secret.replace("_secret", "")) == (public, None)
+    for name in ["actors", "ops"]:
+        assert zmq.auth.load_certificate(root / "authorized" / f"{name}.key") == (
+            zmq.auth.load_certificate(root / "clients" / f"{name}.key")
+        )
+    # every key pair is distinct, and the broker's own key is not an authorized client
+    publics = {zmq.auth.load_certificate(p)[0] for p in root.glob("**/*.key")}
+    assert len(publics) == 3
+    assert zmq.auth.load_certificate(root / "broker.key")[0] not in zmq.auth.load_certificates(
+        root / "authorized"
+    )
+    assert not list(root.glob(".staging-*"))
+
+
+def test_refuses_to_overwrite_unless_force(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "keys"
+    write_keys(root, ["a", "b"])
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    assert cli(["keys", str(root), "--clients", "c"]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+
+    assert cli(["keys", str(root), "--clients", "c", "--force"]) == 0
+    # the whole set is replaced: old clients can no longer get in
+    assert sorted(p.name for p in (root / "authorized").iterdir()) == ["c.key"]
+    assert sorted(p.name for p in (root / "clients").iterdir()) == ["c.key", "c.key_secret"]
+    assert (root / "broker.key_secret").read_bytes() != before[root / "broker.key_secret"]
+
+
+@pytest.mark.parametrize("name", ["", "../x", ".hidden", "a b", "x" * 65])
+def test_bad_client_names_are_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(SecurityError):
+        write_keys(tmp_path / "keys", [name] if name else [])
+    assert not (tmp_path / "keys" / "broker.key").exists()
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://127.0.0.1:0", True),
+        ("tcp://127.8.9.10:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("ipc:///tmp/drmas.sock", True),
+        ("inproc://broker", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://*:5555", False),
+        ("tcp://10.0.0.5:5555", False),
+        ("tcp://128.0.0.1:5555", False),
+        ("tcp://[::]:5555", False),
+        ("tcp://eth0:5555", False),
+        ("tcp://node7.cluster:5555", False),
+        ("tcp://localhost.evil.com:5555", False),
+    ],
+)
+def test_loopback_detection(address: str, loopback: bool) -> None:
+    assert is_loopback(address) is loopback
+
+
+def test_insecure_bind_is_refused() -> None:
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(SecurityError, match="allow_insecure=true") as err:
+            bind_router(ctx, "tcp://0.0.0.0:0", 1 << 20, SecurityConfig())
+        assert "security.curve=true" in str(err.value) and "drmas keys" in str(err.value)
+        # loopback without CURVE is the default and stays allowed, silently
+        sock, address = bind_router(ctx, "tcp://127.0.0.1:0", 1 << 20, SecurityConfig())
+        assert address.startswith("tcp://127.0.0.1:")
+        sock.close(linger=0)
+    finally:
+        ctx.term()
+
+
+def test_allow_insecure_binds_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    ctx = zmq.Context()
+    try:
+        with caplog.at_level(logging.WARNING, logger="drmas.transports.security"):
+            sock, address = bind_router(
+                ctx, "tcp://0.0.0.0:0", 1 << 20, SecurityConfig(allow_insecure=True)
+            )
+        sock.close(linger=0)
+    finally:
+        ctx.term()
+    assert address.startswith("tcp://0.0.0.0:")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "WITHOUT authentication" in warnings[0].getMessage()
+    # with CURVE on, a public bind needs no permission and logs no warning
+    caplog.clear()
+    check_bind("tcp://0.0.0.0:5555", SecurityConfig(curve=True))
+    assert not caplog.records
+
+
+def test_missing_keys_name_the_file_and_the_command(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert keys_dir(SecurityConfig()) == tmp_path / "keys"  # the documented default
+    with pytest.raises(SecurityError) as err:
+        check_keys(SecurityConfig(curve=True))
+    message = str(err.value)
+    assert str(tmp_path / "keys" / "broker.key_secret") in message
+    assert f"drmas keys {tmp_path / 'keys'}" in message
+
+    write_keys(tmp_path / "keys", ["actors"])
+    with pytest.raises(SecurityError) as err:  # no key pair named "default"
+        check_keys(SecurityConfig(curve=True))
+    assert "clients/default.key_secret" in str(err.value)
+    check_keys(SecurityConfig(curve=True, client_name="actors"))
+
+    (tmp_path / "keys" / "authorized" / "actors.key").unlink()
+    with pytest.raises(SecurityError, match="no client public keys"):
+        check_keys(SecurityConfig(curve=True, client_name="actors"))
+
+
+def test_curve_router_close_releases_the_context(tmp_path: Path) -> None:
+    """The ZAP handler is stopped with the socket, so ctx.term() does not hang."""
+    write_keys(tmp_path, ["default"])
+    ctx = zmq.Context()
+    sock, _ = bind_router(
+        ctx, "tcp://127.0.0.1:0", 1 << 20, SecurityConfig(curve=True, keys_dir=str(tmp_path))
+    )
+    assert sock.curve_server == 1 and sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
+    sock.close(linger=0)
+    done = threading.Event()
+    threading.Thread(target=lambda: (ctx.term(), done.set()), daemon=True).start()
+    assert done.wait(10), "ctx.term() hung: the ZAP handler outlived its socket"
