@@ -248,7 +248,10 @@ def load_config(overrides: list[str], config_file: str | None = None) -> DrmasCo
                 merged = compose(config_name="config", overrides=overrides)
         obj = OmegaConf.to_object(merged)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(f"bad config or override: {exc}") from None
+        hint = ""
+        if "Environment variable" in str(exc):  # ${oc.env:...} of a deploy config
+            hint = "\nexport that variable, or pass the key as an override instead"
+        raise ConfigError(f"bad config or override: {exc}{hint}") from None
     assert isinstance(obj, DrmasConfig)
     return obj
 

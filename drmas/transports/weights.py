@@ -341,16 +341,42 @@ class PublishStats:
     buckets: int
 
 
+def advertised_host(host: str, broker_address: str) -> str:
+    """The address actors reach this learner's weight store at. "auto": the local address
+    of the interface that routes to the broker (actors reach the broker, and on a cluster
+    the learner's address on that network is what they can reach too)."""
+    if host != "auto":
+        return host
+    target = broker_address.split("//")[-1].rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
+    if target in ("*", "0.0.0.0", "localhost"):
+        target = "127.0.0.1"
+    import socket
+
+    family = socket.AF_INET6 if ":" in target else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((target, 9))  # UDP connect sends nothing; it only picks a route
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise OSError(
+            f"weights.host=auto could not find a route to the broker host {target!r} ({exc}); "
+            "set weights.host to this learner's address that actors can reach"
+        ) from None
+
+
 class WeightSender:
     """Learner rank 0: hosts the run's weight store and broadcasts each new version."""
 
-    def __init__(self, cfg: WeightSyncConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, cfg: WeightSyncConfig, device: torch.device | str = "cpu", broker_address: str = ""
+    ) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
         self.backend = resolve_backend(cfg, self.device)
+        self.host = advertised_host(cfg.host, broker_address)
         # The store lives for the whole run; each publish namespaces it by group name.
         self.store = dist.TCPStore(
-            cfg.host,
+            self.host,
             0,
             is_master=True,
             wait_for_workers=False,
@@ -361,7 +387,7 @@ class WeightSender:
 
     @property
     def store_address(self) -> str:
-        return f"{self.cfg.host}:{self.store.port}"
+        return f"{self.host}:{self.store.port}"
 
     def release(self) -> None:
         """Tear down the groups of finished publishes (~20 ms each, holding the GIL); call

@@ -1,0 +1,87 @@
+"""Deploy configs (configs/deploy) and the Slurm entry point, without a cluster."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from drmas.launch.config import ConfigError, load_config
+from drmas.launch.slurm import _first_host, torch_distributed_env
+from drmas.transports.weights import advertised_host
+
+
+def test_multinode_needs_an_explicit_broker_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DRMAS_BROKER_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match=r"broker\.address"):
+        load_config(["deploy=multinode"])  # neither DRMAS_BROKER_ADDRESS nor an override
+    cfg = load_config(["deploy=multinode", "broker.address=tcp://10.0.0.1:5555"])
+    assert cfg.broker.address == "tcp://10.0.0.1:5555"
+    assert cfg.weights.host == "auto" and cfg.security.curve
+    slurm = load_config(["deploy=slurm", "broker.address=tcp://10.0.0.1:5555"])
+    assert slurm.security.curve and slurm.weights.host == "auto"
+
+
+def test_local_is_the_default_and_stays_on_loopback() -> None:
+    cfg = load_config([])
+    assert cfg.broker.address.startswith("tcp://127.0.0.1:")
+    assert cfg.weights.host == "127.0.0.1" and not cfg.security.curve
+
+
+def test_weights_host_auto_follows_the_route_to_the_broker() -> None:
+    assert advertised_host("auto", "tcp://127.0.0.1:5555") == "127.0.0.1"
+    assert advertised_host("10.0.0.7", "tcp://127.0.0.1:5555") == "10.0.0.7"
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [("node7", "node7"), ("a1,b2", "a1"), ("gpu[03-05,07]", "gpu03"), ("gpu[12]", "gpu12")],
+)
+def test_first_host_of_a_slurm_nodelist(nodelist: str, first: str) -> None:
+    assert _first_host(nodelist) == first
+
+
+def test_learner_task_reads_its_rank_from_slurm() -> None:
+    env = torch_distributed_env(
+        {
+            "SLURM_PROCID": "3",
+            "SLURM_LOCALID": "1",
+            "SLURM_NTASKS": "4",
+            "SLURM_JOB_NODELIST": "gpu[01-02]",
+            "SLURM_JOB_ID": "123456",
+        }
+    )
+    assert env == {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "gpu01",
+        "MASTER_PORT": str(20000 + 123456 % 20000),
+    }
+    with pytest.raises(RuntimeError, match="not inside a Slurm task"):
+        torch_distributed_env({})
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
+    reason="hydra-submitit-launcher not installed (pip install 'drmas[slurm]')",
+)
+def test_slurm_launch_config_composes_with_the_submitit_launcher() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "drmas.launch.slurm",
+            "--cfg",
+            "hydra",
+            "run_config=/x",
+            "role=actor",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "SlurmLauncher" in out.stdout and "tasks_per_node: 1" in out.stdout
