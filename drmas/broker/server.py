@@ -23,6 +23,7 @@ import zmq
 from drmas.broker.heap import tune_gc
 from drmas.broker.metrics import JsonlSink, NullSink, StepMetrics
 from drmas.broker.state import BrokerState
+from drmas.checkpoints.broker_state import BrokerCheckpoints
 from drmas.launch.config import DrmasConfig
 from drmas.protocol import (
     PROTOCOL_VERSION,
@@ -75,11 +76,13 @@ def vocab_sizes(cfg: DrmasConfig) -> dict[str, int]:
 class BrokerServer:
     def __init__(self, cfg: DrmasConfig, run_dir: Path | None = None) -> None:
         self.cfg = cfg
+        self.checkpoints = BrokerCheckpoints(cfg, run_dir)  # on resume: reads, rewinds metrics
         sink = JsonlSink(run_dir / "metrics.jsonl") if run_dir else NullSink()
         self.run_dir = run_dir
         self.state = BrokerState(
             cfg, TaskSource(cfg.task), StepMetrics(sink, sorted(cfg.models)), uuid.uuid4().hex[:12]
         )
+        self.checkpoints.restore(self.state)
         self.limits = Limits(
             agent_models=dict(self.state.agent_models),
             vocab_sizes=vocab_sizes(cfg),
@@ -138,6 +141,7 @@ class BrokerServer:
         signal.signal(signal.SIGINT, stop)
 
     def close(self) -> None:
+        self.checkpoints.save(self.state, "broker stopping")
         counters = dict(self.state.counters)
         self.state.metrics.close(counters)
         if self.run_dir:
@@ -221,6 +225,7 @@ class BrokerServer:
                 self.send(cid, st.batch(msg.model, msg.rank, msg.world_size, msg.version))
             case StepReport():
                 st.step_report(msg.model, msg.version, msg.metrics)
+                self.checkpoints.after_step(st, msg.model, msg.version)
             case PublishRequest():
                 plan, joins = st.publish_plan(msg.model, msg.version, msg.store_address, now)
                 for actor, join in joins:

@@ -66,6 +66,8 @@ class BrokerState:
         self.metrics = metrics or StepMetrics(NullSink(), self.models)
         self.counters: collections.Counter[str] = collections.Counter()
         self.trained_groups: dict[str, set[int]] = {m: set() for m in self.models}
+        # (model, version, group id, task id) per trained group, until a checkpoint holds it
+        self.trained_log: list[tuple[str, int, int, str]] = []
         self.accepted_groups: set[int] = set()
         self.eval_queue: collections.deque[tuple[Task, int]] = collections.deque()
         self.eval_rounds: dict[int, EvalRound] = {}
@@ -312,6 +314,7 @@ class BrokerState:
                 if part.group_id in self.trained_groups[model]:
                     self.counters["groups_trained_twice"] += 1  # must stay 0
                 self.trained_groups[model].add(part.group_id)
+                self.trained_log.append((model, version, part.group_id, part.task.task_id))
             self.counters[f"batches_trained/{model}"] += 1
         self.metrics.report(version, model, "step", metrics, dict(self.counters))
         self._schedule_eval()
@@ -435,6 +438,7 @@ class BrokerState:
             "reissued": c["leases_reissued"],
             "handed_back": c["leases_handed_back"],
             "expired": c["leases_expired"],
+            "requeued_on_resume": c["leases_requeued_on_resume"],
             "outstanding": len(self.table.leases),
         }
         ended["issued"] = c["leases_issued"]

@@ -13,7 +13,9 @@ log = logging.getLogger("drmas.broker")
 def run_broker(cfg: DrmasConfig) -> int:
     from drmas.broker.server import BrokerServer
 
-    run_dir = Path(cfg.run.dir) if cfg.run.dir else None
+    # run.resume continues in the resumed run's folder unless run.dir names another
+    folder = cfg.run.dir or cfg.run.resume
+    run_dir = Path(folder) if folder else None
     if run_dir:
         run_dir.mkdir(parents=True, exist_ok=True)
     server = BrokerServer(cfg, run_dir)

@@ -7,7 +7,16 @@ Order: resolve every model to a checkpoint folder (builtin models are built and
 warm-started once, then cached), write RUN_DIR/config.yaml with concrete paths, ports
 and addresses, start the broker, then learners and actors (which retry their Hello until
 the broker answers). The run ends when every learner has exited 0; any child that fails
-brings everything down (its log tail is printed). Ctrl-C stops all children cleanly.
+brings everything down (its log tail is printed), and the launcher then names the
+checkpoints a `drmas train run.resume=RUN_DIR` would continue from. Ctrl-C stops all
+children cleanly.
+
+Resume: `drmas train run.resume=RUN_DIR` continues in RUN_DIR with the run's own
+config.yaml (to change settings on resume: `drmas train --config RUN_DIR/config.yaml
+run.resume=RUN_DIR key=value`). The broker restores its state and chooses each model's
+checkpoint (drmas/checkpoints/broker_state.py), the learners load it, and the actors,
+which start from the model folders, get the resumed weights by the broker's re-publish
+(the same path as an actor that attaches mid-run; the digest check covers it).
 """
 
 from __future__ import annotations
@@ -82,9 +91,78 @@ def start_children(cfg: DrmasConfig, run_dir: Path, sup: Supervisor) -> None:
         sup.start(f"actor-{i}", "actor", [*cli, "actor", *config, "--id", f"actor-{i}"])
 
 
+def resumed_config(cfg: DrmasConfig) -> DrmasConfig:
+    """The config of a resumed run: RUN_DIR/config.yaml (unless `cfg` was loaded from it,
+    with --config), continuing in RUN_DIR, with a fresh broker port if the port was free."""
+    from drmas.launch.config import load_config
+
+    run_dir = Path(cfg.run.resume).resolve()
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise FileNotFoundError(f"run.resume={cfg.run.resume}: {saved} does not exist")
+    base = cfg
+    if not cfg.run.dir or Path(cfg.run.dir).resolve() != run_dir:
+        base = load_config([], str(saved))
+        differ = _differences(cfg, base)
+        if differ:
+            print(
+                f"drmas train: resuming with {saved}; these settings of the command line "
+                f"differ and are not used: {', '.join(differ[:12])}"
+                f"{' ...' if len(differ) > 12 else ''} (to change settings on resume: drmas "
+                f"train --config {saved} run.resume={run_dir} key=value)",
+                file=sys.stderr,
+            )
+    address = base.broker.address
+    if cfg.broker.address.endswith(":0"):
+        address = f"{address.rsplit(':', 1)[0]}:0"
+    return dataclasses.replace(
+        base,
+        run=dataclasses.replace(base.run, dir=str(run_dir), resume=str(run_dir)),
+        broker=dataclasses.replace(base.broker, address=address),
+    )
+
+
+def resume_hint(cfg: DrmasConfig, run_dir: Path) -> str:
+    """What to run to continue, and from which checkpoint of each model."""
+    from drmas.checkpoints import broker_state, store
+
+    root = store.root_for(run_dir, cfg.checkpoint.dir)
+    try:
+        snap = broker_state.read_snapshot(root / store.BROKER_STATE)
+        versions = broker_state.choose_versions(snap, root, sorted(cfg.models))
+    except (OSError, ValueError) as exc:
+        return f"drmas train: this run cannot be resumed: {exc}"
+    where = ", ".join(
+        f"{m} v{v} ({root / m / store.step_name(v)})" if v else f"{m} v0 (no checkpoint yet)"
+        for m, v in versions.items()
+    )
+    return (
+        f"drmas train: the run can continue from its last complete checkpoints: {where}.\n"
+        f"  resume with: drmas train run.resume={run_dir}"
+    )
+
+
+def _differences(a: DrmasConfig, b: DrmasConfig) -> list[str]:
+    def flat(x: object, prefix: str = "") -> dict[str, object]:
+        if dataclasses.is_dataclass(x):
+            x = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+        if isinstance(x, dict):
+            return {k: v for key, val in x.items() for k, v in flat(val, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): x}
+
+    fa, fb = flat(a), flat(b)
+    skip = ("run.", "broker.address")
+    return sorted(
+        k for k in fa.keys() | fb.keys()
+        if fa.get(k) != fb.get(k) and not k.startswith(skip) and not k.endswith(".path")
+    )  # fmt: skip
+
+
 def train(cfg: DrmasConfig) -> int:
     started = time.monotonic()
     try:
+        if cfg.run.resume:
+            cfg = resumed_config(cfg)
         cfg, run_dir = prepare_run(cfg)
     except (FileNotFoundError, ValueError) as exc:  # a bad model path: nothing started yet
         print(f"drmas train: {exc}", file=sys.stderr)
@@ -131,6 +209,8 @@ def train(cfg: DrmasConfig) -> int:
     finally:
         sup.stop()
         progress.close()
+    if code != 0:  # every child is down: the broker has written its state
+        print(resume_hint(cfg, run_dir), file=sys.stderr, flush=True)
     wall = time.monotonic() - started
     summary = {"wall_s": wall, "exit_code": code, "run_dir": str(run_dir)}
     (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))

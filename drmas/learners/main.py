@@ -13,6 +13,11 @@ Message sequence per version v (rank 0 unless noted):
     [broadcast over the plan's weight group]       only when the plan has members
     PublishDone(v + 1)                             only then (ok=False when it failed); a plan
                                                    without members is closed by the broker
+    [checkpoint of v + 1]                          every rank, when checkpoint.every divides it
+
+With run.resume the group loads the checkpoint of the version the broker's Welcome names
+(drmas/checkpoints/learner.py); the actors still hold older weights, so the broker answers
+the first batch requests with republish and rank 0 sends them the resumed weights.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 import torch.distributed as dist
 
+from drmas.checkpoints import learner as checkpoints
+from drmas.checkpoints import store
 from drmas.learners.trainer import Trainer
 from drmas.protocol.messages import (
     BatchRequest,
@@ -88,6 +95,7 @@ def run_learner(cfg: DrmasConfig, model: str, rank: int, world_size: int) -> Non
         version = broadcast_int(welcome.model_versions[model], device)
         beat = Heartbeats(client, model, version, welcome.heartbeat_interval_s)
         sender = WeightSender(cfg.weights, device) if rank == 0 else None
+        saved = resume(cfg, trainer, version)
         log.info(
             "%s rank %d/%d ready at version %d on %s", model, rank, world_size, version, device
         )
@@ -109,7 +117,11 @@ def run_learner(cfg: DrmasConfig, model: str, rank: int, world_size: int) -> Non
                 client.send(StepReport(model, version, metrics))
                 log.info("%s step %d: %s", model, version, _brief(metrics, model))
             publish(client, trainer, sender, model, version, cfg, beat, device)
+            if cfg.checkpoint.every and version % cfg.checkpoint.every == 0:
+                saved = save_checkpoint(cfg, trainer, version, beat)
 
+        if saved != version:  # the end is always saved
+            save_checkpoint(cfg, trainer, version, beat)
         if cfg.run.dir:
             trainer.save_pretrained(Path(cfg.run.dir) / "models" / model)
         else:
@@ -260,6 +272,46 @@ def publish(
     client.send(done)
     sender.release()  # tear the group down now, while the actors load and resume
     return done.seconds
+
+
+# ------------------------------------------------------------------------ checkpoints
+def resume(cfg: DrmasConfig, trainer: Trainer, version: int) -> int:
+    """With run.resume: load the checkpoint of `version`, the version the broker chose for
+    this model (its Welcome). Returns the version the learner's state is saved at (-1:
+    none yet, so the end of the run saves one)."""
+    if not cfg.run.resume:
+        return -1
+    model_dir = store.root_for(cfg.run.resume, cfg.checkpoint.dir) / trainer.name
+    if version == 0:
+        log.info(
+            "%s: resuming at version 0 (no checkpoint was complete): fresh start", trainer.name
+        )
+        return -1
+    checkpoint = store.find(model_dir, version)
+    if checkpoint is None:
+        have = [c.version for c in store.complete(model_dir)]
+        raise FileNotFoundError(
+            f"the broker resumes {trainer.name} at version {version}, but {model_dir} has no "
+            f"complete checkpoint of that version (complete: {have}); resume the broker and "
+            "the learners from the same run folder"
+        )
+    checkpoints.load(trainer, checkpoint)
+    return version
+
+
+def save_checkpoint(cfg: DrmasConfig, trainer: Trainer, version: int, beat: Heartbeats) -> int:
+    """Collective: save `version` under the run's checkpoint folder; returns `version`."""
+    run_dir = cfg.run.dir or cfg.run.resume
+    if not (run_dir or cfg.checkpoint.dir):
+        log.warning(
+            "run.dir and checkpoint.dir are empty: %s v%d is not saved", trainer.name, version
+        )
+        return version
+    beat.maybe_send()
+    root = store.root_for(run_dir, cfg.checkpoint.dir)
+    checkpoints.save(trainer, root / trainer.name, version, cfg.checkpoint.keep)
+    beat.maybe_send()
+    return version
 
 
 # ------------------------------------------------------------------------ helpers

@@ -1,0 +1,227 @@
+"""Checkpoints: atomic folders and rotation, the broker's snapshot/restore, the task cursor,
+and a learner's DCP save/load (one gloo rank in this process)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from drmas.broker.state import BrokerState
+from drmas.checkpoints import broker_state, store
+from drmas.launch.config import load_config
+from drmas.protocol import pack_ids, pack_logprobs
+from drmas.protocol.messages import Episode, GroupResult, Step, pack_group
+from drmas.tasks.config import TaskConfig
+from drmas.tasks.source import TaskSource
+
+
+# ---------------------------------------------------------------------- folders
+def fake_checkpoint(model_dir: Path, version: int, *, manifest: bool = True) -> Path:
+    tmp = store.begin(model_dir, version)
+    (tmp / "__0_0.distcp").write_bytes(b"x" * (10 + version))
+    (tmp / ".metadata").write_bytes(b"meta")
+    if not manifest:  # a crash before the manifest: the folder stays a temporary one
+        return tmp
+    return store.commit(tmp, version, world_size=1)
+
+
+def test_only_folders_with_a_complete_manifest_count(tmp_path: Path) -> None:
+    model_dir = tmp_path / "solver"
+    fake_checkpoint(model_dir, 2)
+    fake_checkpoint(model_dir, 4, manifest=False)  # crashed save: .tmp-step-000004
+    no_manifest = model_dir / store.step_name(6)  # a step folder without manifest
+    no_manifest.mkdir()
+    (no_manifest / "__0_0.distcp").write_bytes(b"x")
+    truncated = fake_checkpoint(model_dir, 8)
+    (truncated / "__0_0.distcp").write_bytes(b"x")  # a listed file with the wrong size
+    assert [c.version for c in store.complete(model_dir)] == [2]
+    assert store.latest(model_dir).version == 2  # type: ignore[union-attr]
+    assert store.find(model_dir, 4) is None and store.find(model_dir, 6) is None
+    manifest = json.loads((model_dir / "step-000002" / store.MANIFEST).read_text())
+    assert manifest["version"] == 2 and manifest["world_size"] == 1
+    assert manifest["files"] == {".metadata": 4, "__0_0.distcp": 12}
+
+
+def test_rotation_keeps_the_newest_n_and_clears_crashed_saves(tmp_path: Path) -> None:
+    model_dir = tmp_path / "solver"
+    for v in (2, 4):
+        fake_checkpoint(model_dir, v)
+    fake_checkpoint(model_dir, 3, manifest=False)  # older than the newest complete: garbage
+    fake_checkpoint(model_dir, 8, manifest=False)  # may still be in progress: kept
+    fake_checkpoint(model_dir, 6)
+    deleted = store.rotate(model_dir, keep=2)
+    assert sorted(p.name for p in deleted) == [".tmp-step-000003", "step-000002"]
+    assert [c.version for c in store.complete(model_dir)] == [4, 6]
+    assert (model_dir / ".tmp-step-000008").exists()
+    assert store.latest(model_dir, at_most=5).version == 4  # type: ignore[union-attr]
+
+
+def test_commit_replaces_a_checkpoint_of_an_abandoned_history(tmp_path: Path) -> None:
+    model_dir = tmp_path / "solver"
+    fake_checkpoint(model_dir, 4)
+    again = fake_checkpoint(model_dir, 4)
+    assert [c.path for c in store.complete(model_dir)] == [again]
+
+
+# ---------------------------------------------------------------------- task source
+def test_task_cursor_continues_exactly_across_epochs_and_requeues() -> None:
+    cfg = TaskConfig(num_train=5, num_val=2, seed=3)
+    a = TaskSource(cfg)
+    seen = [a.next_task() for _ in range(7)]  # into the second epoch
+    a.requeue(seen[1])
+    a.requeue(seen[6])
+    saved = json.loads(json.dumps(a.state()))  # what goes to disk
+    expected = [a.next_task().task_id for _ in range(12)]
+    b = TaskSource(cfg)
+    b.load_state(saved)
+    assert [b.next_task().task_id for _ in range(12)] == expected
+    assert expected[:2] == [seen[6].task_id, seen[1].task_id]
+    assert saved["epoch"] == 1 and saved["index"] == 2
+
+
+# ---------------------------------------------------------------------- broker state
+def make_state(*overrides: str) -> BrokerState:
+    cfg = load_config(
+        ["group_size=2", "batch_groups=2", "train.steps=6", "val.every=4", "val.num_tasks=3",
+         "val.n=2", "val.k=2", "checkpoint.every=2", *overrides]
+    )  # fmt: skip
+    return BrokerState(cfg, TaskSource(cfg.task))
+
+
+def result(lease, version: int, actor: str = "a") -> GroupResult:
+    def step(agent: str) -> Step:
+        return Step(agent, agent, pack_ids([1, 2]), pack_ids([3]), pack_logprobs([-0.5]),
+                    version, True, "stop")  # fmt: skip
+
+    episodes = [Episode([step("solver"), step("verifier")], r) for r in (1.0, 0.0)]
+    return pack_group(actor, lease.lease_id, lease.group_id, episodes)
+
+
+def train_one_step(st: BrokerState, version: int) -> list[str]:
+    """Lease B groups, accept them, cut and train one batch per model; returns task ids."""
+    leases = st.lease("a", 2, {"solver": version, "verifier": version}, 0.0).leases
+    assert len(leases) == 2
+    for lease in leases:
+        assert st.accept("a", result(lease, version), 0.0) == ""
+    for model in ("solver", "verifier"):
+        st.batch(model, 0, 1, version)
+        st.step_report(model, version + 1, {})
+    return [lease.task.task_id for lease in leases]
+
+
+def test_broker_snapshot_restore_round_trip(tmp_path: Path) -> None:
+    st = make_state()
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    val_leases = st.lease("a", 3, {"solver": 0, "verifier": 0}, 0.0).leases  # step-0 round
+    assert all(lease.is_eval for lease in val_leases)
+    st.accept("a", result(val_leases[0], 0), 0.0)  # one validation task done, two in flight
+    trained = [t for v in range(2) for t in train_one_step(st, v)]  # v2 = the checkpoint
+    for model in ("solver", "verifier"):
+        fake_checkpoint(tmp_path / model, 2)  # the learners' complete checkpoints at v2
+    after = train_one_step(st, 2)  # solver and verifier train v3: not in their checkpoints
+    buffered = st.lease("a", 2, {"solver": 3, "verifier": 3}, 0.0).leases
+    st.accept("a", result(buffered[0], 3), 0.0)  # buffered, not trained
+    in_flight = [buffered[1].task.task_id]
+    probe = TaskSource(st.cfg.task)
+    probe.load_state(st.source.state())
+    future = [probe.next_task().task_id for _ in range(3)]  # what the cursor gives next
+    snap = json.loads(json.dumps(broker_state.snapshot(st, tmp_path)))
+    assert snap["versions"] == {"solver": 3, "verifier": 3}
+    assert snap["covered"] == {"solver": 2, "verifier": 2}
+    assert len(snap["trained_log"]) == 4  # the two v3 groups of each model
+
+    versions = broker_state.choose_versions(snap, tmp_path, ["solver", "verifier"])
+    assert versions == {"solver": 2, "verifier": 2}
+    fresh = make_state()
+    broker_state.restore(fresh, snap, versions)
+    assert fresh.versions == versions
+    assert {m: b.batches_cut for m, b in fresh.buffers.items()} == versions
+    # what v3 trained, what was buffered and what was in flight comes back first, in group
+    # order; then the cursor goes on exactly where it was
+    requeued = [*after, buffered[0].task.task_id, *in_flight]
+    served = [fresh.source.next_task().task_id for _ in range(len(requeued) + 3)]
+    assert served == requeued + future
+    assert not set(served) & set(trained)  # nothing the checkpoints hold comes again
+    for model in ("solver", "verifier"):
+        assert len(fresh.trained_groups[model]) == 4  # groups of v1 and v2 only
+    assert fresh.table._next_group == st.table._next_group  # new groups get new ids
+    assert fresh.counters["leases_issued"] == st.counters["leases_issued"]
+    assert fresh.counters["leases_requeued_on_resume"] == 3  # 2 validation + 1 training
+    assert fresh.lease_accounting()["balanced"] == 1
+    assert [t.task_id for t, s in fresh.eval_queue] == [x.task.task_id for x in val_leases[1:]]
+    assert fresh.eval_scheduled == {0} and len(fresh.eval_rounds[0].successes) == 1
+    assert set(range(3)) <= fresh.metrics.flushed  # a re-publish of v2 is not a new line
+
+
+def test_resume_prefers_checkpoints_the_broker_state_knows(tmp_path: Path) -> None:
+    snap = {"versions": {"solver": 4, "verifier": 3}, "covered": {"solver": 2, "verifier": 0}}
+    for v in (2, 4, 6):  # v6 completed after the snapshot: its trained groups are unknown
+        fake_checkpoint(tmp_path / "solver", v)
+    chosen = broker_state.choose_versions(snap, tmp_path, ["solver", "verifier"])
+    assert chosen == {"solver": 4, "verifier": 0}
+    snap["covered"]["solver"] = 5
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint of solver"):
+        broker_state.choose_versions(snap, tmp_path, ["solver", "verifier"])
+
+
+def test_rewind_moves_later_metrics_lines_aside(tmp_path: Path) -> None:
+    lines = [{"step": s, "x": s} for s in (1, 2, 0, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    broker_state.rewind_metrics(tmp_path, 2)
+    kept = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    moved = (tmp_path / "metrics.rewound.jsonl").read_text().splitlines()
+    assert kept == [1, 2, 0] and [json.loads(x)["step"] for x in moved] == [3, 4]
+
+
+# ---------------------------------------------------------------------- learner (DCP)
+def test_learner_checkpoint_restores_model_optimizer_and_rng(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from drmas.checkpoints import learner as ckpt
+    from drmas.learners.trainer import Trainer
+    from tests.integration.test_fsdp_learner import (
+        MODEL,
+        make_config,
+        make_samples,
+        shards,
+        tiny_qwen2,
+    )
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        cfg = make_config(tiny_qwen2(tmp_path / "hf"))
+        a = Trainer(cfg, MODEL, 0, 1, "cpu")
+        a.step(shards(make_samples(), 1)[0])
+        folder = ckpt.save(a, tmp_path / "ckpt" / MODEL, 1, keep=2)
+        manifest = store.read_manifest(folder)
+        assert manifest is not None and manifest["version"] == 1
+        expected_rand = torch.rand(4)  # what the RNG gives right after the save
+        a.step(shards(make_samples(), 1)[0])  # a moves on; the checkpoint must not
+
+        b = Trainer(cfg, MODEL, 0, 1, "cpu")
+        checkpoint = store.find(tmp_path / "ckpt" / MODEL, 1)
+        assert checkpoint is not None
+        digest = ckpt.load(b, checkpoint)
+        assert digest == manifest["optim_digests"][0]
+        assert torch.equal(torch.rand(4), expected_rand)
+        c = Trainer(cfg, MODEL, 0, 1, "cpu")  # a second copy, stepped once like `a` was
+        c.step(shards(make_samples(), 1)[0])
+        for (name, p_b), (_, p_c) in zip(b.full_state_dict_iter(), c.full_state_dict_iter()):
+            assert torch.equal(p_b, p_c), name
+        for p_b, p_c in zip(b.model.parameters(), c.model.parameters()):
+            sb, sc = b.optimizer.state[p_b], c.optimizer.state[p_c]
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(full(sb[key]), full(sc[key])), key
+    finally:
+        dist.destroy_process_group()
