@@ -42,11 +42,13 @@ from drmas.protocol.messages import (
     WeightsLoaded,
     pack_group,
 )
-from drmas.transports.channel import BrokerClient, BrokerRefused
+from drmas.transports.channel import BrokerClient, BrokerRefused, BrokerUnavailable
 from drmas.transports.weights import WeightReceiver
 
 log = logging.getLogger("drmas.actor")
 REQUEST_TIMEOUT_S = 30.0
+GOODBYE_LINGER_MS = 2000
+"""Longest wait on exit for the Goodbye to reach the broker."""
 
 
 class Actor:
@@ -126,6 +128,17 @@ class Actor:
                 case _:
                     log.debug("ignoring unsolicited %s", type(msg).__name__)
 
+    def shut_down_meanwhile(self, exc: BrokerUnavailable) -> bool:
+        """A request went unanswered: True (and stop) if the broker said Shutdown meanwhile
+        (it answered the request's race by exiting: the run is over, not broken); else the
+        broker is gone and the caller re-raises `exc`."""
+        shutdown = next((m for m in self.client.inbox if isinstance(m, Shutdown)), None)
+        if shutdown is None:
+            return False
+        log.info("no answer after the broker's Shutdown (%s): stopping", exc)
+        self.stopping = f"broker: {shutdown.reason}"
+        return True
+
     def ask_for_leases(self, free: int) -> float:
         try:
             reply = self.client.request(
@@ -135,6 +148,10 @@ class Actor:
             log.warning("lease request refused (%s); saying hello again", exc)
             self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
             return 1.0
+        except BrokerUnavailable as exc:
+            if self.shut_down_meanwhile(exc):
+                return 0.0
+            raise
         for lease in reply.leases:
             self.leases[lease.lease_id] = lease
             self.started_at[lease.lease_id] = time.monotonic()
@@ -161,6 +178,10 @@ class Actor:
             except BrokerRefused as exc:
                 log.error("group %d refused by the broker: %s", lease.group_id, exc)
                 continue
+            except BrokerUnavailable as exc:
+                if self.shut_down_meanwhile(exc):
+                    return
+                raise
             if not ack.accepted:
                 log.warning("group %d not accepted: %s", lease.group_id, ack.reason)
 
@@ -219,6 +240,10 @@ class Actor:
         finally:
             for engine in self.engines.values():
                 await engine.close()
+            # The client closes with linger=0, which can drop the Goodbye still queued in
+            # ZeroMQ's I/O thread; then the broker would wait for missed heartbeats to
+            # re-issue the leases. Give it a bounded time to leave.
+            self.client.sock.close(linger=GOODBYE_LINGER_MS)
             self.client.close()
         log.info(
             "actor %s stopped (%s); handed back %d leases", self.id, self.stopping, len(unfinished)

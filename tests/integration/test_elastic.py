@@ -1,0 +1,222 @@
+"""Elastic actors (DESIGN.md §3): attach mid-run, leave cleanly, and the `sim` engine end to end.
+
+The attach rule is checked first on BrokerState alone, then with real processes: a
+`drmas train` run plus an extra `drmas actor --config RUN_DIR/config.yaml` that this test
+starts (and stops) itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from drmas.broker.state import BrokerState
+from drmas.launch.config import load_config
+from drmas.protocol.messages import NoBatch
+from drmas.tasks.source import TaskSource
+from tests.integration.conftest import FAST, REPO, drmas, read_summary
+
+T = TypeVar("T")
+MODELS = ["solver", "verifier"]
+
+
+# ----------------------------------------------------------------------- helpers
+def start_train(run_dir: Path, cache: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "drmas.launch.cli", "train", *FAST, "train.progress=false",
+         *extra, f"run.dir={run_dir}", f"run.cache_dir={cache}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+
+
+def start_actor(run_dir: Path, address: str, actor_id: str, *extra: str) -> subprocess.Popen[str]:
+    """`drmas actor` attached to a running job, as a user would type it."""
+    log = (run_dir / f"extra-{actor_id}.log").open("w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "drmas.launch.cli", "actor", "--config",
+         str(run_dir / "config.yaml"), f"broker.address={address}", *extra, "--id", actor_id],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def broker_address(run_dir: Path, timeout: float = 240) -> str:
+    def address() -> str:
+        path = run_dir / "config.yaml"
+        return yaml.safe_load(path.read_text())["broker"]["address"] if path.exists() else ""
+
+    return wait_for(address, timeout, "drmas train wrote no config.yaml")
+
+
+def status(address: str) -> dict[str, Any]:
+    out = drmas("status", address, "--json", "--timeout", "10", timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def actor_status(address: str, actor_id: str) -> dict[str, Any]:
+    return {a["client_id"]: a for a in status(address)["actors"]}.get(actor_id, {})
+
+
+def wait_for(
+    pred: Callable[[], T], timeout: float, what: str, run: subprocess.Popen[str] | None = None
+) -> T:
+    """Poll until pred() is truthy; fails at once if `run` (drmas train) has ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if run is not None and run.poll() is not None:
+            raise AssertionError(f"drmas train ended (code {run.returncode}) before: {what}")
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise TimeoutError(what)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 300) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def stop_all(*procs: subprocess.Popen[str] | None) -> None:
+    """Only the processes this test started (drmas train stops its own children)."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def check_complete(summary: dict[str, Any], steps: int) -> dict[str, int]:
+    """Nothing lost, nothing counted twice: every batch full, every lease ended once."""
+    c = summary["counters"]
+    assert summary["done"] is True
+    assert summary["leases"]["balanced"] == 1, summary["leases"]
+    assert summary["leases"]["outstanding"] == 0, summary["leases"]
+    assert c.get("groups_trained_twice", 0) == 0
+    assert c.get("weight_digest_mismatch", 0) == 0
+    for model in MODELS:
+        assert summary["trained_groups"][model] == steps * 4  # train.steps × batch_groups
+    return c
+
+
+# ------------------------------------------------------------- the rule alone
+def test_an_actor_attached_mid_run_gets_weights_before_leases() -> None:
+    cfg = load_config(["group_size=2", "batch_groups=2", "train.steps=5", "val.every=0"])
+    st = BrokerState(cfg, TaskSource(cfg.task))
+    st.add_actor("early", "h", 1, MODELS, 0.0)  # at version 0: nothing to wait for
+    assert st.lease("early", 1, {}, 0.0).leases
+    st.versions["solver"] = 2  # the solver's learner has taken two steps
+    st.add_actor("late", "h", 2, MODELS, 0.0)
+    refused = st.lease("late", 4, {"solver": 0, "verifier": 0}, 0.0)
+    assert refused.leases == [] and "solver v0 < v2" in refused.reason
+    # the learner, idle at v2, is told to re-publish to the stale actor ...
+    reply = st.batch("solver", 0, 1, 2)
+    assert isinstance(reply, NoBatch) and reply.republish
+    plan, joins = st.publish_plan("solver", 2, "127.0.0.1:1", now=0.0)
+    assert "late" in plan.members and "late" in [cid for cid, _ in joins]
+    st.weights_loaded("late", "solver", 2, ok=True)
+    # ... and only once the actor holds v2 does it get leases
+    assert st.lease("late", 1, {"solver": 2, "verifier": 0}, 0.0).leases
+    assert st.counters["actors_synced_on_attach"] == 1
+
+
+# ---------------------------------------------------------------- real runs
+@pytest.mark.slow
+def test_actor_attached_mid_run_syncs_then_trains(tmp_path: Path, model_cache: Path) -> None:
+    """hf engine: a second actor attached once both models are past v1 shows in status,
+    receives the current weights (digests match), and then contributes accepted groups."""
+    run_dir, steps = tmp_path / "run", 8
+    train = start_train(run_dir, model_cache, f"train.steps={steps}", "actor.max_groups=2")
+    late = None
+    try:
+        address = broker_address(run_dir)
+
+        def past_v1() -> bool:
+            models = status(address)["models"]
+            return all(models[m]["version"] >= 1 for m in MODELS)
+
+        wait_for(past_v1, 240, "the run never reached version 1", train)
+        late = start_actor(run_dir, address, "late")
+        seen = wait_for(
+            lambda: actor_status(address, "late"), 120, "late actor not in status", train
+        )
+        assert seen["host"] and seen["pid"] == late.pid
+        worked = wait_for(
+            lambda: (a := actor_status(address, "late")) and a["groups_done"] > 0 and a,
+            180,
+            "the late actor never returned an accepted group",
+            train,
+        )
+        assert all(worked["versions"][m] >= 1 for m in MODELS), worked  # synced first
+        finish(train)
+        late.wait(timeout=60)  # the broker's Shutdown reaches the attached actor too
+        assert late.returncode == 0
+    finally:
+        stop_all(train, late)
+    c = check_complete(read_summary(run_dir), steps)
+    assert c["actors_joined"] == 2 and c["actors_synced_on_attach"] == 1, c
+    # every load was verified against the learner's fingerprint: more loads than the
+    # single built-in actor alone could make (steps × models)
+    assert c["weight_digest_match"] > steps * len(MODELS), c
+    log = (run_dir / "extra-late.log").read_text()
+    assert "stopped (broker: training finished)" in log, log[-2000:]
+
+
+@pytest.mark.slow
+def test_sigterm_detach_hands_back_leases(tmp_path: Path, model_cache: Path) -> None:
+    """An actor stopped with SIGTERM says Goodbye with its unfinished leases: they are handed
+    back (not lost to a heartbeat timeout) and the run completes with nothing lost."""
+    run_dir, steps = tmp_path / "run", 6
+    train = start_train(
+        run_dir, model_cache, f"train.steps={steps}", "actor.engine.name=sim", "actor.max_groups=2"
+    )
+    leaver = None
+    try:
+        address = broker_address(run_dir)
+        # slow sim decoding: its groups stay unfinished for seconds
+        leaver = start_actor(run_dir, address, "leaver", "actor.engine.sim_token_latency_s=0.1")
+        wait_for(
+            lambda: actor_status(address, "leaver").get("leases", 0) > 0,
+            180,
+            "the extra actor never held a lease",
+            train,
+        )
+        leaver.send_signal(signal.SIGTERM)
+        assert leaver.wait(timeout=30) == 0
+        gone = wait_for(
+            lambda: not actor_status(address, "leaver"), 10, "the broker still lists the leaver"
+        )
+        assert gone
+        finish(train)
+    finally:
+        stop_all(train, leaver)
+    c = check_complete(read_summary(run_dir), steps)
+    assert c["actors_left"] == 1 and c.get("actors_lost", 0) == 0, c
+    assert c["leases_handed_back"] >= 1 and c.get("leases_reissued", 0) == 0, c
+    assert "handed back" in (run_dir / "extra-leaver.log").read_text()
+
+
+@pytest.mark.slow
+def test_sim_engine_run_completes(tmp_path: Path, model_cache: Path) -> None:
+    run_dir, steps = tmp_path / "run", 4
+    train = start_train(run_dir, model_cache, "actor.engine.name=sim", "actor.num_actors=2")
+    try:
+        finish(train)
+    finally:
+        stop_all(train)
+    c = check_complete(read_summary(run_dir), steps)
+    assert c["actors_joined"] == 2
+    assert c["weight_digest_match"] >= 2 * steps * len(MODELS), c  # both actors, every publish
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    assert [x["step"] for x in lines if "val/tasks" not in x] == list(range(1, steps + 1))
