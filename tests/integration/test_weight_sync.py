@@ -19,6 +19,7 @@ from drmas.transports.weights import (
     TensorSpec,
     WeightReceiver,
     WeightSender,
+    WeightSyncError,
     WeightSyncTimeout,
     plan_buckets,
     spec_of,
@@ -189,4 +190,70 @@ def test_missing_receiver_times_out_and_sender_recovers(tmp_path: Path) -> None:
             proc.kill()
     assert stats.bytes == 13 * 4
     got = torch.load(tmp_path / "late.pt", weights_only=False)[0]["state"]
+    assert all(torch.equal(got[n], t) for n, t in state)
+
+
+def slow_receive_worker(j: JoinWeightGroup, started: str) -> None:
+    """A receiver that announces its first bucket, then dawdles so it can be killed mid-way."""
+    torch.set_num_threads(1)
+
+    def load(batch) -> None:
+        list(batch)
+        Path(started).touch()
+        time.sleep(0.5)
+
+    WeightReceiver(WeightSyncConfig()).receive_into(j, load)
+
+
+def test_receiver_killed_during_broadcast_fails_the_publish_in_bounded_time(
+    tmp_path: Path,
+) -> None:
+    import os
+    import signal
+
+    # 12 x 4 MiB, one tensor per bucket: far more than socket buffers hold, so the sender is
+    # still sending when the receiver dies
+    state = [(f"p{i}", torch.full((2**20,), float(i))) for i in range(12)]
+    sender = WeightSender(WeightSyncConfig(bucket_mb=4.0))
+    started = tmp_path / "started"
+    proc = multiprocessing.get_context("spawn").Process(
+        target=slow_receive_worker, args=(join(sender, "m-v1", 1, 2), str(started)), daemon=True
+    )
+    proc.start()
+    killer_done = []
+
+    def kill_when_receiving() -> None:
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)  # mid-broadcast: buckets still to come
+        killer_done.append(True)
+
+    import threading
+
+    killer = threading.Thread(target=kill_when_receiving, daemon=True)
+    killer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError) as err:
+            sender.publish("m-v1", 2, state, 5.0, peers=["actor-a"])
+    finally:
+        killer.join(70)
+        proc.join(10)
+    assert killer_done, "the receiver never started receiving"
+    assert time.monotonic() - start < 5.0 + 15.0  # the configured limit plus teardown
+    assert "'m-v1'" in str(err.value) and "actor-a" in str(err.value)  # group and peer named
+    assert "bucket" in str(err.value)  # and the phase: it died between buckets
+
+    # The run goes on: the next version re-forms the group without the dead actor.
+    proc = spawn_receiver([join(sender, "m-v2", 1, 2)], tmp_path / "next.pt")
+    try:
+        stats = sender.publish("m-v2", 2, state, 30.0)
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert stats.bytes == 12 * 2**20 * 4
+    got = torch.load(tmp_path / "next.pt", weights_only=False)[0]["state"]
     assert all(torch.equal(got[n], t) for n, t in state)
