@@ -214,9 +214,7 @@ def test_pause_holds_between_steps_and_resume_continues() -> None:
         await engine.resume()
         return held_at, after_hold, await pending
 
-    (held_at, after_hold, result), engine = run(
-        body, sim_stop_prob=0.0, sim_token_latency_s=0.002
-    )
+    (held_at, after_hold, result), engine = run(body, sim_stop_prob=0.0, sim_token_latency_s=0.002)
     assert held_at == after_hold  # no decode step while paused
     assert len(result.token_ids) == 50 and result.finish_reason == "length"
     assert result.version == 0  # the version the request started with (as hf)
