@@ -51,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
         "--keys", default="", help="keys folder of a CURVE broker (security.curve=true)"
     )
     status.add_argument(
-        "--client", default="", help="client key pair in KEYS/clients to use (default: default)"
+        "--client",
+        default="",
+        help="client key pair in KEYS/clients (default: default, else the first one there)",
     )
     keys = sub.add_parser(
         "keys",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import msgspec
 
@@ -12,12 +13,14 @@ import msgspec
 def print_status(
     address: str, *, as_json: bool, timeout_s: float, keys_dir: str = "", client_name: str = ""
 ) -> int:
-    """Ask once; a CURVE broker needs keys_dir (its clients/<client_name> key pair)."""
+    """Ask once; a CURVE broker needs keys_dir and one of its client key pairs."""
     from drmas.protocol.messages import StatusReply, StatusRequest
     from drmas.transports.channel import BrokerClient, BrokerUnavailable
     from drmas.transports.config import SecurityConfig
-    from drmas.transports.security import SecurityError
+    from drmas.transports.security import SecurityError, find_client
 
+    if keys_dir and not client_name:  # any authorised pair may ask; prefer "default"
+        client_name = find_client(Path(keys_dir).expanduser().resolve())
     security = SecurityConfig(curve=bool(keys_dir), keys_dir=keys_dir, client_name=client_name)
     try:
         client = BrokerClient(address, f"status-{os.getpid()}", security=security)

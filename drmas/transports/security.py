@@ -61,10 +61,9 @@ def client_name(security: SecurityConfig) -> str:
     return security.client_name or DEFAULT_CLIENT
 
 
-def _make_hint(root: Path, clients: Sequence[str] = (DEFAULT_CLIENT,)) -> str:
-    extra = "" if list(clients) == [DEFAULT_CLIENT] else f" --clients {','.join(clients)}"
+def _make_hint(root: Path) -> str:
     return (
-        f"create keys with `drmas keys {root}{extra}` (security.keys_dir; empty means "
+        f"create keys with `drmas keys {root}` (security.keys_dir; empty means "
         f"./keys in the working directory)"
     )
 
@@ -160,11 +159,10 @@ def check_bind(address: str, security: SecurityConfig) -> None:
 
 
 # ------------------------------------------------------------- loading keys
-def _load(path: Path, root: Path, *, secret: bool, clients: Sequence[str] = ()) -> bytes:
+def _load(path: Path, root: Path, *, secret: bool) -> bytes:
     """The public (or secret) key in one certificate file; SecurityError naming it if not."""
     if not path.is_file():
-        hint = _make_hint(root, clients) if clients else _make_hint(root)
-        raise SecurityError(f"security.curve=true but {path} does not exist; {hint}")
+        raise SecurityError(f"security.curve=true but {path} does not exist; {_make_hint(root)}")
     try:
         public, secret_key = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
@@ -176,6 +174,25 @@ def _load(path: Path, root: Path, *, secret: bool, clients: Sequence[str] = ()) 
             raise SecurityError(f"{path} holds no secret key; {_make_hint(root)}")
         return secret_key
     return public
+
+
+def client_names(root: Path) -> list[str]:
+    """Names of the client key pairs in root/clients, sorted."""
+    return sorted(
+        p.name.removesuffix(".key_secret") for p in (root / "clients").glob("*.key_secret")
+    )
+
+
+def _client_pair(root: Path, name: str) -> tuple[bytes, bytes]:
+    """(public, secret) of clients/<name>; the error lists the pairs that do exist."""
+    path = root / "clients" / f"{name}.key_secret"
+    if not path.is_file() and (others := client_names(root)):
+        raise SecurityError(
+            f"security.curve=true but {path} does not exist; {root / 'clients'} holds "
+            f"{', '.join(others)}: set security.client_name to one of them, or make a new key "
+            f"set with `drmas keys {root} --clients {','.join([*others, name])} --force`"
+        )
+    return _load(path, root, secret=False), _load(path, root, secret=True)
 
 
 def authorized_keys(root: Path) -> dict[bytes, bool]:
@@ -190,18 +207,24 @@ def authorized_keys(root: Path) -> dict[bytes, bool]:
     return keys
 
 
-def check_keys(security: SecurityConfig, *, server: bool = True, client: bool = True) -> None:
-    """Load every key this config needs now, so a run fails before it starts anything."""
+def check_keys(security: SecurityConfig) -> None:
+    """Load the keys a run needs now, so it fails before it starts anything: the broker's
+    pair, authorized/ and, when security.client_name is set, that client's pair (left
+    empty it may be set per node at launch, so the default pair is not required here)."""
     if not security.curve:
         return
     root = keys_dir(security)
-    if server:
-        _load(root / "broker.key_secret", root, secret=True)
-        authorized_keys(root)
-    if client:
-        _load(root / "broker.key", root, secret=False)
-        name = client_name(security)
-        _load(root / "clients" / f"{name}.key_secret", root, secret=True, clients=[name])
+    _load(root / "broker.key_secret", root, secret=True)
+    _load(root / "broker.key", root, secret=False)
+    authorized_keys(root)
+    if security.client_name:
+        _client_pair(root, security.client_name)
+
+
+def find_client(root: Path) -> str:
+    """For `drmas status --keys` without --client: "default" if there, else the first pair."""
+    names = client_names(root)
+    return DEFAULT_CLIENT if DEFAULT_CLIENT in names or not names else names[0]
 
 
 def secure_server(
@@ -237,10 +260,7 @@ def secure_server(
 def secure_client(sock: zmq.Socket, security: SecurityConfig) -> None:
     """Make `sock` (not yet connected) a CURVE client with its key pair from clients/."""
     root = keys_dir(security)
-    name = client_name(security)
-    path = root / "clients" / f"{name}.key_secret"
-    secret = _load(path, root, secret=True, clients=[name])
-    public = _load(path, root, secret=False)
+    public, secret = _client_pair(root, client_name(security))
     sock.curve_secretkey = secret
     sock.curve_publickey = public
     sock.curve_serverkey = _load(root / "broker.key", root, secret=False)

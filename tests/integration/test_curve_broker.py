@@ -121,6 +121,7 @@ def test_only_authorised_clients_reach_a_curve_broker(tmp_path: Path, model_cach
         except subprocess.TimeoutExpired:
             broker.kill()
             broker.wait()
+        print("broker log tail:\n" + (tmp_path / "broker.log").read_text()[-3000:])  # on failure
     assert broker.returncode == 0, (tmp_path / "broker.log").read_text()[-3000:]
 
 

@@ -12,12 +12,13 @@ import zmq
 import zmq.auth
 
 from drmas.launch.cli import main as cli
-from drmas.transports.channel import bind_router
+from drmas.transports.channel import BrokerClient, bind_router
 from drmas.transports.config import SecurityConfig
 from drmas.transports.security import (
     SecurityError,
     check_bind,
     check_keys,
+    find_client,
     is_loopback,
     keys_dir,
     write_keys,
@@ -150,10 +151,21 @@ def test_missing_keys_name_the_file_and_the_command(tmp_path: Path, monkeypatch)
     assert f"drmas keys {tmp_path / 'keys'}" in message
 
     write_keys(tmp_path / "keys", ["actors"])
-    with pytest.raises(SecurityError) as err:  # no key pair named "default"
-        check_keys(SecurityConfig(curve=True))
-    assert "clients/default.key_secret" in str(err.value)
+    # client_name left empty may be set per node at launch: prepare does not demand it
+    check_keys(SecurityConfig(curve=True))
     check_keys(SecurityConfig(curve=True, client_name="actors"))
+    with pytest.raises(SecurityError) as err:
+        check_keys(SecurityConfig(curve=True, client_name="ops"))
+    assert "clients/ops.key_secret does not exist" in str(err.value)
+    assert "holds actors: set security.client_name" in str(err.value)
+    # a client process with the default name fails before it connects, saying the same
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(SecurityError, match=r"clients/default\.key_secret does not exist"):
+            BrokerClient("tcp://127.0.0.1:9", "a-1", ctx=ctx, security=SecurityConfig(curve=True))
+    finally:
+        ctx.term()  # returns only if the failed client closed its socket
+    assert find_client(tmp_path / "keys") == "actors"  # what `drmas status --keys` uses
 
     (tmp_path / "keys" / "authorized" / "actors.key").unlink()
     with pytest.raises(SecurityError, match="no client public keys"):
