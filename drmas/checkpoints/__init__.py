@@ -1,5 +1,9 @@
 """Checkpoints of a run: learners' sharded model/optimizer state and the broker's state.
 
-Written by learner ranks and the broker every `checkpoint.every` steps, read back by
-`drmas train run.resume=RUN_DIR` (and the per-role commands).
+Written by learner ranks and the broker every `checkpoint.every` steps (and at the end),
+read back by `drmas train run.resume=RUN_DIR` (and the per-role commands).
+
+    store.py          folders on disk: manifest written last, atomic rename, keep-N rotation
+    learner.py        DCP save/load of one learner group (model, optimizer, RNG, version)
+    broker_state.py   the broker's snapshot/restore: cursor, versions, counters, requeues
 """

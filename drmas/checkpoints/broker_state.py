@@ -20,10 +20,11 @@ order, before the cursor moves on:
 - groups trained by model m after v_m (the "trained log": every trained group with its
   model and version, kept until a complete checkpoint of that model covers it).
 Such a task is then served again as a new group; no group is trained twice by a model
-within the model's version history (trained_groups after v_m are forgotten). One case
-repeats a task for a model: a group that model A's checkpoint holds but model B's does
-not (B died mid-checkpoint while A saved) is re-served to both. A group dropped as stale
-was already requeued at the drop, so it is not requeued again.
+within the model's version history (trained_groups after v_m are forgotten). Where a task
+can repeat for a model (with fresh episodes, as a new group): a group that model A's
+checkpoint holds but model B's does not (the models were on different sides of a
+checkpoint) is re-served to both; and a group that one model dropped as stale (its task
+requeued at the drop) while another model still buffered it comes back twice.
 
 Complete learner checkpoints newer than the version a model resumes from belong to the
 abandoned history and are set aside (renamed, never read); metrics lines of steps after
@@ -209,10 +210,10 @@ def restore(state: BrokerState, snap: dict[str, Any], versions: dict[str, int]) 
     # publishes of versions up to the resumed ones (re-syncing the actors) are not new lines
     state.metrics.flushed.update(range(max(versions.values()) + 1))
     log.info(
-        "broker resumed: versions %s, cursor epoch %d index %d, %d groups requeued, "
-        "%d leases that were in flight",
-        versions, snap["source"]["epoch"], snap["source"]["index"], len(requeue),
-        snap["outstanding_leases"],
+        "broker resumed: versions %s, cursor epoch %d index %d, %d leases were in flight, "
+        "requeued tasks %s",
+        versions, snap["source"]["epoch"], snap["source"]["index"], snap["outstanding_leases"],
+        json.dumps([requeue[g] for g in sorted(requeue)]),
     )  # fmt: skip
 
 

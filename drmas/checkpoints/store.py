@@ -7,6 +7,8 @@ Layout under the checkpoint root (`checkpoint.dir`, default RUN_DIR/checkpoints)
         rng-rank0.pt ...            RNG state of every rank
         manifest.json               written LAST, by rank 0: version, world size, time, files
     <model>/.tmp-step-000012/       a save in progress (never read)
+    <model>/.set-aside-*/           a checkpoint of a history that resume abandoned (never
+                                    read; deleted at the next rotation)
     broker.json                     the broker's state (drmas/checkpoints/broker_state.py)
 
 Who writes: learner ranks (drmas/checkpoints/learner.py) and the broker. Who reads: the
@@ -33,6 +35,7 @@ from typing import Any
 MANIFEST = "manifest.json"
 BROKER_STATE = "broker.json"
 _STEP = re.compile(r"^step-(\d{6,})$")
+_SET_ASIDE = ".set-aside-"
 
 
 @dataclass(frozen=True)
@@ -153,14 +156,15 @@ def commit(tmp: Path, version: int, world_size: int, extra: dict[str, Any] | Non
 
 
 def rotate(model_dir: Path, keep: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep`, and temporary folders of saves
-    older than the newest complete one (crashed saves). Returns what was deleted."""
+    """Delete complete checkpoints beyond the newest `keep`, temporary folders of saves
+    older than the newest complete one (crashed saves) and folders set aside. Returns what
+    was deleted."""
     done = complete(model_dir)
     deleted = [c.path for c in done[: max(len(done) - max(keep, 1), 0)]]
     newest = done[-1].version if done else -1
     for folder in model_dir.iterdir() if model_dir.is_dir() else []:
         match = re.match(r"^\.tmp-step-(\d+)$", folder.name)
-        if match and int(match.group(1)) <= newest:
+        if (match and int(match.group(1)) <= newest) or folder.name.startswith(_SET_ASIDE):
             deleted.append(folder)
     for path in deleted:
         shutil.rmtree(path, ignore_errors=True)
@@ -170,7 +174,7 @@ def rotate(model_dir: Path, keep: int) -> list[Path]:
 def set_aside(folder: Path, why: str) -> Path:
     """Rename a checkpoint so that no reader takes it (e.g. newer than the version a resumed
     run continues from: it belongs to a history that resume abandoned)."""
-    target = folder.with_name(f".{why}-{folder.name}-{time.time_ns()}")
+    target = folder.with_name(f"{_SET_ASIDE}{why}-{folder.name}-{time.time_ns()}")
     os.rename(folder, target)
     return target
 

@@ -106,8 +106,8 @@ def resumed_config(cfg: DrmasConfig) -> DrmasConfig:
         differ = _differences(cfg, base)
         if differ:
             print(
-                f"drmas train: resuming with {saved}; these settings of the command line "
-                f"differ and are not used: {', '.join(differ[:12])}"
+                f"drmas train: resuming with {saved}, the run's own config; what this "
+                f"command line would set differently is not used: {', '.join(differ[:12])}"
                 f"{' ...' if len(differ) > 12 else ''} (to change settings on resume: drmas "
                 f"train --config {saved} run.resume={run_dir} key=value)",
                 file=sys.stderr,
@@ -151,7 +151,7 @@ def _differences(a: DrmasConfig, b: DrmasConfig) -> list[str]:
         return {prefix.rstrip("."): x}
 
     fa, fb = flat(a), flat(b)
-    skip = ("run.", "broker.address")
+    skip = ("run.", "broker.address", "security.keys_dir")  # resolved by prepare_run
     return sorted(
         k for k in fa.keys() | fb.keys()
         if fa.get(k) != fb.get(k) and not k.startswith(skip) and not k.endswith(".path")

@@ -64,6 +64,9 @@ def test_commit_replaces_a_checkpoint_of_an_abandoned_history(tmp_path: Path) ->
     fake_checkpoint(model_dir, 4)
     again = fake_checkpoint(model_dir, 4)
     assert [c.path for c in store.complete(model_dir)] == [again]
+    assert [
+        p.name.startswith(".set-aside-replaced-step-000004") for p in store.rotate(model_dir, 2)
+    ] == [True]
 
 
 # ---------------------------------------------------------------------- task source
@@ -225,3 +228,55 @@ def test_learner_checkpoint_restores_model_optimizer_and_rng(tmp_path: Path) -> 
                 assert torch.equal(full(sb[key]), full(sc[key])), key
     finally:
         dist.destroy_process_group()
+
+
+def _two_rank_worker(rank: int, port: int, folder: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from drmas.checkpoints import learner as ckpt
+    from drmas.learners.trainer import Trainer, _local
+    from tests.integration.test_fsdp_learner import MODEL, make_config, make_samples, shards
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        cfg = make_config(Path(folder) / "hf")
+        a = Trainer(cfg, MODEL, rank, 2, "cpu")
+        a.step(shards(make_samples(), 2)[rank])
+        ckpt.save(a, Path(folder) / "ckpt" / MODEL, 1, keep=2)
+        params = [_local(p.detach()).clone() for p in a.model.parameters()]
+        optim = [
+            {k: _local(v).clone() for k, v in a.optimizer.state[p].items()}
+            for p in a.model.parameters()
+        ]
+        expected_rand = torch.rand(3)
+        b = Trainer(cfg, MODEL, rank, 2, "cpu")
+        checkpoint = store.find(Path(folder) / "ckpt" / MODEL, 1)
+        assert checkpoint is not None and checkpoint.world_size == 2
+        ckpt.load(b, checkpoint)
+        assert torch.equal(torch.rand(3), expected_rand)  # this rank's own RNG stream
+        for p, saved_p, saved_o in zip(b.model.parameters(), params, optim):
+            assert torch.equal(_local(p.detach()), saved_p)
+            for key, value in saved_o.items():
+                assert torch.equal(_local(b.optimizer.state[p][key]), value), key
+        (Path(folder) / f"ok-{rank}").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_rank_learner_checkpoint_restores_every_shard(tmp_path: Path) -> None:
+    mp = pytest.importorskip("torch.multiprocessing")
+    from tests.integration.test_fsdp_learner import tiny_qwen2
+
+    tiny_qwen2(tmp_path / "hf")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_two_rank_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "ok-0").exists() and (tmp_path / "ok-1").exists()
+    manifest = store.read_manifest(tmp_path / "ckpt" / "policy" / "step-000001")
+    assert manifest is not None and sorted(manifest["files"]) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "rng-rank0.pt", "rng-rank1.pt"
+    ]  # fmt: skip
