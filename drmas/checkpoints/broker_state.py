@@ -161,6 +161,12 @@ def choose_versions(snap: dict[str, Any], root: Path, models: list[str]) -> dict
             chosen[m] = max(usable)
         elif covered == 0:
             chosen[m] = 0  # nothing trained is covered by a checkpoint: start over
+            if known:
+                log.warning(
+                    "%s reached v%d but %s holds no complete checkpoint of it: it starts over "
+                    "from v0 (learners on other hosts must write to shared storage: set "
+                    "checkpoint.dir)", m, known, root / m,
+                )  # fmt: skip
         else:
             raise FileNotFoundError(
                 f"run.resume: no complete checkpoint of {m} between v{covered} and v{known} "
