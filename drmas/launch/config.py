@@ -209,6 +209,15 @@ def check(cfg: DrmasConfig) -> None:
         raise ConfigError(f"val.n ({cfg.val.n}) must be >= val.k ({cfg.val.k})")
     if not (0.0 < cfg.sampling.top_p <= 1.0):
         raise ConfigError(f"sampling.top_p must be in (0, 1], got {cfg.sampling.top_p}")
+    engine = cfg.actor.engine
+    if engine.sim_token_latency_s < 0 or engine.sim_prompt_latency_s_per_token < 0:
+        raise ConfigError("actor.engine.sim_*latency* must be >= 0 seconds")
+    if not (0.0 <= engine.sim_stop_prob <= 1.0):
+        raise ConfigError(
+            f"actor.engine.sim_stop_prob must be in [0, 1], got {engine.sim_stop_prob}"
+        )
+    if engine.sim_vocab_size < 0:
+        raise ConfigError(f"actor.engine.sim_vocab_size must be >= 0, got {engine.sim_vocab_size}")
     if cfg.group_size < 2 and cfg.algorithm.advantage.scope == "group":
         raise ConfigError("group_size must be >= 2 for group-relative advantages")
 

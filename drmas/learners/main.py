@@ -94,7 +94,7 @@ def run_learner(cfg: DrmasConfig, model: str, rank: int, world_size: int) -> Non
         )
         version = broadcast_int(welcome.model_versions[model], device)
         beat = Heartbeats(client, model, version, welcome.heartbeat_interval_s)
-        sender = WeightSender(cfg.weights, device) if rank == 0 else None
+        sender = WeightSender(cfg.weights, device, cfg.broker.address) if rank == 0 else None
         saved = resume(cfg, trainer, version)
         log.info(
             "%s rank %d/%d ready at version %d on %s", model, rank, world_size, version, device
