@@ -13,7 +13,10 @@ flight, so 4 actors × `max_groups` 2 can all be busy.
 Measured: training episodes consumed per second in steady state, from the run's
 metrics.jsonl: (last step - first step) × B × G / (time of last step line - time of first
 step line). The first step is excluded (it contains process start-up). Reported with its
-ratio to the 1-actor run of the same invocation.
+ratio to the 1-actor run of the same invocation, and each learner's busy fraction
+((train_s + weight_sync_s) / wall seconds per step): once it nears 1 the learner is the
+bottleneck and adding actors stops helping (on 2 cores the learners also share the CPU
+with every actor process).
 """
 
 from __future__ import annotations
@@ -59,6 +62,14 @@ def run(actors: int, cache: str, work: Path) -> dict:
     steps = sorted((x["step"], x["time_s"]) for x in lines if "val/tasks" not in x)
     (first, t0), (last, t1) = steps[0], steps[-1]
     summary = json.loads((run_dir / "broker_summary.json").read_text())
+    steady = [x for x in lines if "val/tasks" not in x and x["step"] > first]
+    step_s = (t1 - t0) / max(last - first, 1)
+    learner = {}
+    for model in ("solver", "verifier"):
+        busy = [
+            x.get(f"train_s/{model}", 0.0) + x.get(f"weight_sync_s/{model}", 0.0) for x in steady
+        ]
+        learner[model] = sum(busy) / max(len(busy), 1) / step_s  # fraction of each step
     return {
         "actors": actors,
         "episodes_per_s": (last - first) * GROUP_SIZE * BATCH_GROUPS / (t1 - t0),
@@ -68,6 +79,10 @@ def run(actors: int, cache: str, work: Path) -> dict:
         "actors_joined": summary["counters"]["actors_joined"],
         "dropped_stale_groups": summary["counters"].get("dropped_stale_groups", 0),
         "weight_digest_match": summary["counters"].get("weight_digest_match", 0),
+        "step_s": step_s,
+        # training + publishing time per step / wall time per step: near 1 = the learner is
+        # the bottleneck and more actors cannot help
+        "learner_busy": learner,
     }
 
 

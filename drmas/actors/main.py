@@ -43,12 +43,24 @@ from drmas.protocol.messages import (
     pack_group,
 )
 from drmas.transports.channel import BrokerClient, BrokerRefused, BrokerUnavailable
-from drmas.transports.weights import WeightReceiver
+from drmas.transports.weights import NamedTensors, WeightReceiver
 
 log = logging.getLogger("drmas.actor")
 REQUEST_TIMEOUT_S = 30.0
 GOODBYE_LINGER_MS = 2000
 """Longest wait on exit for the Goodbye to reach the broker."""
+
+
+def _fault_kill_mid_sync(join: JoinWeightGroup) -> None:
+    """Fault injection for tests: DRMAS_FAULT_KILL_IN_WEIGHTS=MODEL:VERSION SIGKILLs this
+    actor right after the first bucket of a publish of MODEL at VERSION or later arrived,
+    i.e. in the middle of a weight broadcast (tests/integration/test_faults.py)."""
+    spec = os.environ.get("DRMAS_FAULT_KILL_IN_WEIGHTS", "")
+    if spec:
+        model, _, version = spec.partition(":")
+        if join.model == model and join.version >= int(version or 0):
+            log.warning("fault injection: SIGKILL in the middle of %s", join.group_name)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Actor:
@@ -203,11 +215,14 @@ class Actor:
             ok, error, digest = True, "", ""
             await engine.pause()
             try:
-                await asyncio.to_thread(
-                    self.receiver.receive_into,
-                    join,
-                    lambda tensors, e=engine, v=join.version: e.load_weights(tensors, v),
-                )
+
+                def load(
+                    tensors: NamedTensors, e: Engine = engine, j: JoinWeightGroup = join
+                ) -> None:
+                    e.load_weights(tensors, j.version)
+                    _fault_kill_mid_sync(j)
+
+                await asyncio.to_thread(self.receiver.receive_into, join, load)
                 same_dtype = self.cfg.actor.engine.dtype == self.cfg.models[join.model].dtype
                 if self.cfg.weights.verify_digest and same_dtype:
                     digest = engine.weights_digest()

@@ -105,12 +105,17 @@ def run_learner(cfg: DrmasConfig, model: str, rank: int, world_size: int) -> Non
             def republish(v: int = version) -> None:
                 publish(client, trainer, sender, model, v, cfg, beat, device)
 
+            asked = time.monotonic()
             shard = next_shard(
                 client, cfg, model, rank, world_size, version, beat, device, republish
             )
             if shard is None:
                 break
+            got = time.monotonic()
             metrics = trainer.step(shard, tick=beat.maybe_send)
+            # where this learner's time goes: waiting for data vs training (is it the bottleneck?)
+            metrics[f"batch_wait_s/{model}"] = got - asked
+            metrics[f"train_s/{model}"] = time.monotonic() - got
             version += 1
             beat.version = version
             if rank == 0:

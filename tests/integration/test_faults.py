@@ -106,6 +106,42 @@ def test_actor_killed_mid_run_loses_nothing(tmp_path: Path, model_cache: Path) -
         assert summary["trained_groups"][model] == 6 * 4  # every batch complete, none twice
 
 
+def test_actor_killed_during_a_weight_broadcast_loses_nothing(
+    tmp_path: Path, model_cache: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    # small buckets: the tiny model's publish is several broadcasts, so the kill lands
+    # between them (after the first bucket of solver v3 arrived)
+    train = start_train(
+        run_dir, model_cache, "train.steps=6", "actor.max_groups=4", "weights.bucket_mb=0.25"
+    )
+    extra = None
+    try:
+        broker_address(run_dir)
+        extra = subprocess.Popen(
+            [sys.executable, "-m", "drmas.launch.cli", "actor", "--config", str(run_dir / "config.yaml"),
+             "--id", "doomed"],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, "DRMAS_FAULT_KILL_IN_WEIGHTS": "solver:3"},
+        )  # fmt: skip
+        assert extra.wait(timeout=400) == -signal.SIGKILL  # it died in the broadcast
+        finish(train)
+    finally:
+        for proc in (train, extra):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    summary = read_summary(run_dir)
+    c = summary["counters"]
+    assert c["actors_lost"] == 1, (summary, run_dir)
+    assert summary["leases"]["balanced"] == 1, summary["leases"]
+    assert c.get("groups_trained_twice", 0) == 0
+    assert c.get("weight_digest_mismatch", 0) == 0
+    assert summary["versions"] == {"solver": 6, "verifier": 6}
+    for model in ("solver", "verifier"):
+        assert summary["trained_groups"][model] == 6 * 4  # every batch complete, none twice
+
+
 def bad_step(vocab_id: int) -> Step:
     return Step(
         agent="solver", model="solver", prompt_ids=pack_ids([1, 2]), response_ids=pack_ids([vocab_id]),

@@ -29,14 +29,15 @@ def drmas_children_of(run_dir: Path) -> list[psutil.Process]:
 
 def test_a_failing_child_stops_the_run_and_names_itself(tmp_path: Path, model_cache: Path) -> None:
     run_dir = tmp_path / "run"
-    # the actor fails at start (engine not in this build); broker and learners must stop too
+    # the actor fails at start (its engine refuses the batch size); broker and learners
+    # must stop too
     out = drmas(
-        "train", *FAST, "actor.engine.name=sim", f"run.dir={run_dir}",
+        "train", *FAST, "actor.engine.max_batch=0", f"run.dir={run_dir}",
         f"run.cache_dir={model_cache}", timeout=300,
     )  # fmt: skip
     assert out.returncode == 1
     assert "actor-0 exited with code 1" in out.stderr
-    assert "actor.engine.name='sim' is not available" in out.stderr  # its log tail is shown
+    assert "engine max_batch must be >= 1, got 0" in out.stderr  # its log tail is shown
     assert drmas_children_of(run_dir) == []
 
 
