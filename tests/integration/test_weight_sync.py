@@ -257,3 +257,44 @@ def test_receiver_killed_during_broadcast_fails_the_publish_in_bounded_time(
     assert stats.bytes == 12 * 2**20 * 4
     got = torch.load(tmp_path / "next.pt", weights_only=False)[0]["state"]
     assert all(torch.equal(got[n], t) for n, t in state)
+
+
+def test_receiver_that_stops_answering_mid_broadcast_times_out_the_sender(
+    tmp_path: Path,
+) -> None:
+    """A peer alive but frozen (SIGSTOP) inside the broadcast: the sender must give up
+    within the configured limit with an error naming the group, the peer and the phase."""
+    import os
+    import signal
+    import threading
+
+    state = [(f"p{i}", torch.full((2**20,), float(i))) for i in range(12)]  # 12 x 4 MiB
+    sender = WeightSender(WeightSyncConfig(bucket_mb=4.0))
+    started = tmp_path / "started"
+    proc = multiprocessing.get_context("spawn").Process(
+        target=slow_receive_worker, args=(join(sender, "m-v1", 1, 2), str(started)), daemon=True
+    )
+    proc.start()
+
+    def freeze_when_receiving() -> None:
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGSTOP)
+
+    freezer = threading.Thread(target=freeze_when_receiving, daemon=True)
+    freezer.start()
+    limit = 4.0
+    try:
+        start = time.monotonic()
+        with pytest.raises(WeightSyncTimeout) as err:
+            sender.publish("m-v1", 2, state, limit, peers=["actor-frozen"])
+        waited = time.monotonic() - start
+    finally:
+        freezer.join(70)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+    assert started.exists(), "the receiver never started receiving"
+    assert waited < limit + 15.0  # the start-up of the receiver plus the limit
+    text = str(err.value)
+    assert "'m-v1'" in text and "actor-frozen" in text and "bucket" in text and "timeout 4s" in text
