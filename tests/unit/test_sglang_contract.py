@@ -1,0 +1,310 @@
+"""Every request the sglang engine makes, checked against SGLang's own request types.
+
+`sglang` cannot be imported without a GPU build, so the types come from its source:
+tests/data/sglang/io_struct.py.txt and sampling_params.py.txt (sglang 0.5.23, copied
+unmodified from the PyPI wheel; provenance at the top of each), parsed with `ast`. For each
+route the adapter uses, every key it sends must be a field of the request type (own or
+inherited from BaseReq), every field without a default must be sent, and each value must
+fit the field's annotation (Optional/Union/List/Dict/Literal/Annotated/str/int/float/bool).
+
+Routes and request types, as declared in sglang 0.5.23
+python/sglang/srt/entrypoints/http_server.py (`@app.post` / `@app.get` decorators):
+  POST /generate                        GenerateReqInput (sampling_params -> SamplingParams)
+  POST /pause_generation                PauseGenerationReqInput (mode abort|retract|in_place)
+  POST /continue_generation             ContinueGenerationReqInput
+  POST /init_weights_update_group       InitWeightsUpdateGroupReqInput
+  POST /update_weights_from_distributed UpdateWeightsFromDistributedReqInput
+  POST /destroy_weights_update_group    DestroyWeightsUpdateGroupReqInput
+  POST /begin_weight_update             BeginWeightUpdateReqInput (0.5.2x; 404 before)
+  POST /end_weight_update               EndWeightUpdateReqInput
+  GET  /health, GET /get_model_info     no body
+
+Response fields the adapter reads, checked by hand in sglang 0.5.23 source:
+  /generate (tokenizer_manager.py, _handle_batch_output + add_logprob_to_meta_info +
+  detokenize_logprob_tokens): top-level "output_ids" (list of int), "meta_info" with
+  "finish_reason" (BaseFinishReason.to_json in schedule_batch.py: {"type": "stop",
+  "matched": ...} | {"type": "length", "length": n} | {"type": "abort", "message": ...}),
+  "weight_version", "output_token_logprobs" = list of (logprob, token_id, text-or-None)
+  triples (text None unless return_text_in_logprobs). The scheduler's outputs behind them
+  are BatchStrOutput.finished_reasons / output_ids / output_token_logprobs_val / _idx,
+  checked below in the vendored io_struct.
+  weight routes (http_server.py): {"success": bool, "message": str}, 200 or 400; the
+  matching *ReqOutput types have exactly those fields (checked below).
+  /get_model_info: {"weight_version": ..., "model_path": ..., ...}.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from drmas.actors.config import EngineConfig
+from drmas.actors.engines import sglang as sg
+from drmas.actors.engines.base import GenerateRequest
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "sglang"
+
+ROUTES: dict[str, str | None] = {
+    "/generate": "GenerateReqInput",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/health": None,
+    "/get_model_info": None,
+}
+
+
+# ------------------------------------------------------------------ vendored types
+@functools.cache
+def _classes(filename: str) -> dict[str, ast.ClassDef]:
+    tree = ast.parse((DATA / filename).read_text())
+    return {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+
+@functools.cache
+def _aliases(filename: str) -> dict[str, ast.expr]:
+    """Module-level `Name = <type>` assignments (type aliases)."""
+    tree = ast.parse((DATA / filename).read_text())
+    out: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name):
+                out[target.id] = node.value
+    return out
+
+
+def fields(cls: str, filename: str = "io_struct.py.txt") -> dict[str, tuple[ast.expr, bool]]:
+    """name -> (annotation, has_default) over the class and its bases in the same file."""
+    node = _classes(filename)[cls]
+    out: dict[str, tuple[ast.expr, bool]] = {}
+    for base in node.bases:
+        if isinstance(base, ast.Name) and base.id in _classes(filename):
+            out.update(fields(base.id, filename))
+    for stmt in node.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            out[stmt.target.id] = (stmt.annotation, stmt.value is not None)
+    return out
+
+
+def _sub_args(node: ast.Subscript) -> list[ast.expr]:
+    return list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+
+
+def conforms(value: Any, ann: ast.expr, filename: str = "io_struct.py.txt") -> bool:
+    """Does a JSON value fit the annotation (as pydantic would accept it)?"""
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):  # string annotation
+        return conforms(value, ast.parse(ann.value, mode="eval").body, filename)
+    if isinstance(ann, ast.Name):
+        name = ann.id
+        simple: dict[str, Any] = {
+            "str": lambda v: isinstance(v, str),
+            "bool": lambda v: isinstance(v, bool),
+            "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+            "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+            "Any": lambda v: True,
+        }
+        if name in simple:
+            return bool(simple[name](value))
+        alias = _aliases(filename).get(name)
+        if alias is not None:
+            return conforms(value, alias, filename)
+        raise AssertionError(f"contract checker cannot interpret annotation {name!r}")
+    if isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name):
+        head, args = ann.value.id, _sub_args(ann)
+        if head == "Optional":
+            return value is None or conforms(value, args[0], filename)
+        if head == "Union":
+            return any(conforms(value, a, filename) for a in args)
+        if head in ("List", "Set", "list", "set"):
+            return isinstance(value, list) and all(conforms(v, args[0], filename) for v in value)
+        if head in ("Dict", "dict"):
+            return isinstance(value, dict) and all(
+                conforms(k, args[0], filename) and conforms(v, args[1], filename)
+                for k, v in value.items()
+            )
+        if head == "Literal":
+            return any(isinstance(a, ast.Constant) and a.value == value for a in args)
+        if head == "Annotated":
+            return conforms(value, args[0], filename)
+    raise AssertionError(f"contract checker cannot interpret annotation {ast.unparse(ann)}")
+
+
+def violations(route: str, body: dict[str, Any] | None) -> list[str]:
+    """Why `body` sent to `route` does not fit SGLang's request type ([] when it does)."""
+    if route not in ROUTES:
+        return [f"{route} is not an SGLang route the contract knows"]
+    cls = ROUTES[route]
+    if cls is None:
+        return [] if body is None else [f"{route} takes no body"]
+    if body is None:
+        return [f"{route} needs a JSON body ({cls})"]
+    problems = _check_fields(body, cls, "io_struct.py.txt")
+    if route == "/generate" and isinstance(body.get("sampling_params"), dict):
+        problems += _check_fields(
+            body["sampling_params"], "SamplingParams", "sampling_params.py.txt"
+        )
+    return problems
+
+
+def _check_fields(body: dict[str, Any], cls: str, filename: str) -> list[str]:
+    known = fields(cls, filename)
+    problems = [f"{cls} has no field {k!r}" for k in body if k not in known]
+    problems += [
+        f"{cls}.{k} is required" for k, (_, has_default) in known.items()
+        if not has_default and k not in body
+    ]  # fmt: skip
+    problems += [
+        f"{cls}.{k} = {v!r} does not fit {ast.unparse(known[k][0])}"
+        for k, v in body.items()
+        if k in known and not conforms(v, known[k][0], filename)
+    ]
+    return problems
+
+
+# ------------------------------------------------------------------ the checker itself
+def test_checker_rejects_what_sglang_would_reject() -> None:
+    assert violations("/generate", {"input_ids": [1, 2], "bogus": 1}) == [
+        "GenerateReqInput has no field 'bogus'"
+    ]
+    assert violations("/init_weights_update_group", {"master_address": "h"})  # missing fields
+    bad_type = {"names": ["a"], "dtypes": ["float32"], "shapes": [["2"]]}
+    assert violations("/update_weights_from_distributed", bad_type)
+    assert violations("/pause_generation", {"mode": "keep"})  # not one of SGLang's modes
+    assert violations("/generate", {"sampling_params": {"max_tokens": 3}})  # vLLM's name
+    assert violations("/flush_everything", {})
+
+
+# ------------------------------------------------------------------ bodies
+REQUEST = GenerateRequest([5, 6, 7], temperature=0.7, top_p=0.9, max_new_tokens=12, stop=("\n",))
+
+
+def test_generate_body_fits_generate_req_input_and_sampling_params() -> None:
+    body = sg.generate_body(REQUEST)
+    assert violations("/generate", body) == []
+    assert body["input_ids"] == [5, 6, 7] and body["return_logprob"] is True
+    params = body["sampling_params"]
+    assert params["max_new_tokens"] == 12 and params["stop"] == ["\n"]
+    assert params["temperature"] == 0.7 and params["top_p"] == 0.9
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_pause_body_maps_our_modes_to_sglang_modes(mode: sg.PauseMode) -> None:
+    body = sg.pause_body(mode)
+    assert violations("/pause_generation", body) == []
+    assert body["mode"] == {"keep": "retract", "abort": "abort"}[mode]
+
+
+def test_weight_bodies_fit_their_request_types() -> None:
+    init = sg.init_group_body("127.0.0.1", 29500, 3, "g")
+    assert violations("/init_weights_update_group", init) == []
+    assert init["rank_offset"] == 1 and init["world_size"] == 3 and init["backend"] == "gloo"
+    update = sg.update_body(["w", "b"], ["bfloat16", "float32"], [(4, 2), (4,)], "g", 7)
+    assert violations("/update_weights_from_distributed", update) == []
+    assert update["weight_version"] == "7" and update["shapes"] == [[4, 2], [4]]
+    assert update["flush_cache"] is True
+    assert violations("/destroy_weights_update_group", sg.destroy_group_body("g")) == []
+    assert violations("/begin_weight_update", sg.begin_update_body()) == []
+    assert violations("/end_weight_update", sg.end_update_body()) == []
+    assert violations("/continue_generation", sg.continue_body()) == []
+
+
+def test_dtype_names_we_send_are_torch_attribute_names() -> None:
+    """SGLang turns each dtype string into `getattr(torch, name)`."""
+    import torch
+
+    from drmas.transports.weights import spec_of
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        name = spec_of("w", torch.zeros(2, dtype=dtype)).dtype
+        assert getattr(torch, name) is dtype
+
+
+# ------------------------------------------------------------------ the engine's calls
+def test_every_call_the_engine_makes_fits_the_contract(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drive the engine's control paths with HTTP recorded, then check each request."""
+    sent: list[tuple[str, dict[str, Any] | None]] = []
+
+    def fake_http(url: str, route: str, body: dict[str, Any] | None, timeout_s: float):
+        assert timeout_s > 0
+        sent.append((route, body))
+        if route == "/generate":
+            meta = {"finish_reason": {"type": "length", "length": 2}, "weight_version": "default",
+                    "output_token_logprobs": [[-0.5, 11, None], [-1.5, 12, None]]}  # fmt: skip
+            return 200, {"text": "ab", "output_ids": [11, 12], "meta_info": meta}
+        if route == "/get_model_info":
+            return 200, {"weight_version": "3", "model_path": "m"}
+        return 200, {"success": True, "message": "ok"}
+
+    monkeypatch.setattr(sg, "http_call", fake_http)
+    engine = sg.SGLangEngine("m", "unused", EngineConfig(), sg.SGLangOptions(url="http://x"))
+
+    async def drive() -> None:
+        result = await engine.generate(REQUEST)
+        assert result.token_ids == [11, 12] and result.logprobs == [-0.5, -1.5]
+        await engine.pause()
+        engine._session_call("/begin_weight_update", sg.begin_update_body())
+        engine._session = 1
+        await engine.resume()
+        assert engine.server_weight_version() == "3"
+        await engine.close()
+
+    asyncio.run(drive())
+    routes = [r for r, _ in sent]
+    assert routes == ["/generate", "/pause_generation", "/begin_weight_update",
+                      "/end_weight_update", "/continue_generation", "/get_model_info"]  # fmt: skip
+    for route, body in sent:
+        assert violations(route, body) == [], route
+
+
+# ------------------------------------------------------------------ responses
+def test_scheduler_outputs_behind_the_fields_we_read_exist() -> None:
+    out = fields("BatchStrOutput")
+    for name in ("finished_reasons", "output_ids", "output_token_logprobs_val",
+                 "output_token_logprobs_idx"):  # fmt: skip
+        assert name in out, name
+    for cls in ("InitWeightsUpdateGroupReqOutput", "UpdateWeightsFromDistributedReqOutput",
+                "DestroyWeightsUpdateGroupReqOutput", "BeginWeightUpdateReqOutput",
+                "EndWeightUpdateReqOutput"):  # fmt: skip
+        assert set(fields(cls)) - {"rid", "http_worker_ipc"} == {"success", "message"}, cls
+
+
+def test_parse_generate_reads_sglang_reply_shapes() -> None:
+    def reply(reason: dict[str, Any], triples: list[list[Any]]) -> dict[str, Any]:
+        meta = {"id": "r", "finish_reason": reason, "prompt_tokens": 3,
+                "weight_version": "2", "output_token_logprobs": triples}  # fmt: skip
+        return {"text": "", "output_ids": [t[1] for t in triples], "meta_info": meta}
+
+    got = sg.parse_generate(
+        reply({"type": "stop", "matched": 2}, [[-0.1, 9, None], [-2.0, 2, None]])
+    )
+    assert got == ([9, 2], [-0.1, -2.0], "stop")
+    got = sg.parse_generate(reply({"type": "length", "length": 1}, [[-0.3, 4, None]]))
+    assert got == ([4], [-0.3], "length")
+    assert sg.parse_generate(reply({"type": "abort", "message": "x"}, []))[2] == "abort"
+    broken = reply({"type": "stop", "matched": "\n"}, [[-0.1, 9, None]])
+    broken["output_ids"] = [9, 10]
+    with pytest.raises(ValueError, match="disagree"):
+        sg.parse_generate(broken)
+    with pytest.raises(ValueError, match="output_token_logprobs"):
+        sg.parse_generate({"output_ids": [], "meta_info": {"finish_reason": {"type": "stop"}}})
+
+
+def test_launch_args_use_sglang_server_flags() -> None:
+    """Flag names are SGLang ServerArgs fields (sglang/srt/arg_groups/fields, 0.5.23)."""
+    opts = sg.SGLangOptions(port=1, tp_size=2, context_length=512, prefix_caching=False,
+                            command=["sglang"])  # fmt: skip
+    args = sg.launch_args(opts, "/m", 1234)
+    flags = {a for a in args if a.startswith("--")}
+    assert flags == {"--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static",
+                     "--dtype", "--random-seed", "--context-length", "--disable-radix-cache"}  # fmt: skip
+    assert args[args.index("--port") + 1] == "1234" and args[args.index("--tp-size") + 1] == "2"
