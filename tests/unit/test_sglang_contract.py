@@ -308,3 +308,24 @@ def test_launch_args_use_sglang_server_flags() -> None:
     assert flags == {"--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static",
                      "--dtype", "--random-seed", "--context-length", "--disable-radix-cache"}  # fmt: skip
     assert args[args.index("--port") + 1] == "1234" and args[args.index("--tp-size") + 1] == "2"
+
+
+def test_options_come_from_the_engine_config_fields() -> None:
+    """The pool's engine arguments pass through (field names shared with the vllm engine)."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(name="sglang", max_batch=16, dtype="bfloat16", seed=3,
+                          tensor_parallel_size=2, gpu_memory_utilization=0.7, max_model_len=1024,
+                          enable_prefix_caching=False, pause_mode="abort",
+                          extra_args={"chunked_prefill_size": 512, "enable_torch_compile": True,
+                                      "disable_cuda_graph": False},
+                          sglang_url="http://h:1")  # fmt: skip
+    opts = sg.SGLangOptions.from_config(cfg)  # type: ignore[arg-type]
+    assert (opts.tp_size, opts.mem_fraction, opts.context_length) == (2, 0.7, 1024)
+    assert (opts.prefix_caching, opts.pause_mode, opts.url) == (False, "abort", "http://h:1")
+    assert (opts.dtype, opts.seed, opts.max_concurrency) == ("bfloat16", 3, 16)
+    args = sg.launch_args(opts, "/m", 1)
+    assert args[-3:] == ["--chunked-prefill-size", "512", "--enable-torch-compile"]
+    assert "--disable-radix-cache" in args and "--disable-cuda-graph" not in args
+    with pytest.raises(ValueError, match="pause_mode"):
+        sg.SGLangOptions.from_config(SimpleNamespace(pause_mode="drain"))  # type: ignore[arg-type]

@@ -120,8 +120,22 @@ class SGLangOptions:
             weight_timeout_s=float(get("sglang_weight_timeout_s", 300.0)),
             bridge_host=get("sglang_bridge_host", "127.0.0.1"),
             max_concurrency=max(1, cfg.max_batch),
-            extra_args=list(get("sglang_extra_args", [])),
+            extra_args=extra_flags(get("extra_args", {})),
         )
+
+
+def extra_flags(extra: dict[str, Any]) -> list[str]:
+    """EngineConfig.extra_args (server_args field -> value) as launch_server flags:
+    {"enable_torch_compile": True, "chunked_prefill_size": 512} -> --enable-torch-compile
+    --chunked-prefill-size 512 (False drops a flag)."""
+    flags: list[str] = []
+    for key, value in extra.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False and value is not None:
+            flags += [flag, str(value)]
+    return flags
 
 
 # ------------------------------------------------------------------ request bodies
@@ -317,7 +331,7 @@ class ManagedServer:
                 if http_call(self.url, "/health", None, 5.0)[0] == 200:
                     return
             time.sleep(0.2)
-        self.stop(10.0)
+        self.stop(5.0)
         raise TimeoutError(
             f"SGLang server at {self.url} not ready within {timeout_s:.0f}s (log "
             f"{self.log_path}):\n{self.tail()}\nraise actor.engine.sglang_start_timeout_s "

@@ -1,0 +1,369 @@
+"""The sglang engine against a fake SGLang server, for real on CPU: HTTP, a managed child
+process (start, readiness through /health, stop), pause/continue, and a weight update that
+travels learner (WeightSender) -> actor (WeightReceiver + the engine's bridge) -> server
+over two real gloo groups on loopback.
+
+The fake server (this file run as a script, or in a thread) implements the routes the
+adapter uses with SGLang 0.5.23's shapes (see test_sglang_contract.py), refuses any body
+that does not fit SGLang's request types, and joins the bridge group the way SGLang's
+`init_weights_update_group` does: a TCPStore client from torch's `tcp://` rendezvous,
+a PrefixStore named after the group, torch's process-group helper, rank
+`rank_offset + tp_rank`; then one broadcast per named tensor. Its "model" answers every
+prompt with log-prob -(0.1 + frac(sum of every received weight)), so a test can tell
+which weights generated a reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import math
+import os
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------ fake server
+class FakeSGLang:
+    """State of one fake server; `handler()` gives the HTTP handler class."""
+
+    def __init__(self, sessions: bool = True) -> None:
+        self.sessions = sessions
+        self.paused = False
+        self.mode = ""
+        self.session = False
+        self.weights: dict[str, torch.Tensor] = {}
+        self.weight_version = "default"
+        self.groups: dict[str, Any] = {}
+        self.violations: list[str] = []
+        self.routes: list[str] = []
+
+    def logprob(self) -> float:
+        total = sum(float(t.double().sum()) for t in self.weights.values())
+        return -(0.1 + (total - math.floor(total)))
+
+    def handle(self, route: str, body: dict[str, Any] | None) -> tuple[int, Any]:
+        from tests.unit.test_sglang_contract import violations
+
+        self.routes.append(route)
+        if route == "/_fake/state":
+            return 200, self.state()
+        if route in ("/begin_weight_update", "/end_weight_update") and not self.sessions:
+            return 404, {"detail": "Not Found"}
+        problems = violations(route, body)
+        if problems:
+            self.violations += problems
+            return 400, {"error": problems}
+        handler = getattr(self, "do_" + route.strip("/"))
+        return handler(body)  # type: ignore[no-any-return]
+
+    def state(self) -> dict[str, Any]:
+        from drmas.transports.digest import digest_of
+
+        return {
+            "violations": self.violations,
+            "routes": self.routes,
+            "digest": digest_of(self.weights.items()) if self.weights else "",
+            "groups": sorted(self.groups),
+        }
+
+    def do_health(self, body: None) -> tuple[int, Any]:
+        return 200, None
+
+    def do_get_model_info(self, body: None) -> tuple[int, Any]:
+        return 200, {"model_path": "fake", "weight_version": self.weight_version}
+
+    def do_generate(self, body: dict[str, Any]) -> tuple[int, Any]:
+        params = body["sampling_params"]
+        n = params["max_new_tokens"]
+        time.sleep(0.05)  # a decode in flight, so a pause can catch it
+        while self.paused:
+            if self.mode == "abort":
+                meta = {"finish_reason": {"type": "abort", "message": "paused"},
+                        "weight_version": self.weight_version, "output_token_logprobs": []}  # fmt: skip
+                return 200, {"text": "", "output_ids": [], "meta_info": meta}
+            time.sleep(0.01)  # retract: the request waits in the queue
+        ids = [(sum(body["input_ids"]) + i) % 50 + 3 for i in range(n)]
+        lp = self.logprob()
+        meta = {
+            "id": "r",
+            "finish_reason": {"type": "length", "length": n},
+            "prompt_tokens": len(body["input_ids"]),
+            "weight_version": self.weight_version,
+            "output_token_logprobs": [[lp, i, None] for i in ids],
+        }
+        return 200, {"text": "", "output_ids": ids, "meta_info": meta}
+
+    def do_pause_generation(self, body: dict[str, Any]) -> tuple[int, Any]:
+        self.paused, self.mode = True, body.get("mode", "abort")
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def do_continue_generation(self, body: dict[str, Any]) -> tuple[int, Any]:
+        self.paused = False
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def do_begin_weight_update(self, body: dict[str, Any]) -> tuple[int, Any]:
+        self.session = True
+        return 200, {"success": True, "message": ""}
+
+    def do_end_weight_update(self, body: dict[str, Any]) -> tuple[int, Any]:
+        self.session = False
+        return 200, {"success": True, "message": ""}
+
+    def do_init_weights_update_group(self, body: dict[str, Any]) -> tuple[int, Any]:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import Backend, _new_process_group_helper
+
+        timeout = datetime.timedelta(seconds=20)
+        rank, world, name = body["rank_offset"], body["world_size"], body["group_name"]
+        init = f"tcp://{body['master_address']}:{body['master_port']}"
+        store, _, _ = next(dist.rendezvous(init, rank, world, timeout=timeout))
+        pg, _ = _new_process_group_helper(
+            world, rank, [], Backend(body["backend"]), dist.PrefixStore(name, store),
+            group_name=name, timeout=timeout,
+        )  # fmt: skip
+        self.groups[name] = pg
+        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def do_update_weights_from_distributed(self, body: dict[str, Any]) -> tuple[int, Any]:
+        import torch.distributed as dist
+
+        if self.sessions and not self.session:
+            return 400, {"success": False, "message": "must run between begin/end_weight_update"}
+        pg = self.groups[body["group_name"]]
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        received, works = [], []
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            works.append(pg.broadcast([t], opts))
+            received.append((name, t))
+        for work in works:
+            work.wait(datetime.timedelta(seconds=20))
+        self.weights.update(received)
+        if body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+        return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
+    def do_destroy_weights_update_group(self, body: dict[str, Any]) -> tuple[int, Any]:
+        pg = self.groups.pop(body["group_name"], None)
+        if pg is None:
+            return 400, {"success": False, "message": "The group to be destroyed does not exist."}
+        pg.shutdown()
+        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _reply(self, body: dict[str, Any] | None) -> None:
+                status, reply = fake.handle(self.path, body)
+                data = b"" if reply is None else json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._reply(None)
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", 0))
+                self._reply(json.loads(self.rfile.read(length) or b"{}"))
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        return Handler
+
+
+def serve(args: list[str]) -> None:
+    """Entry point of the fake managed server: accepts sglang.launch_server's flags."""
+    opts = dict(zip(args[::2], args[1::2]))
+    time.sleep(float(os.environ.get("FAKE_SGLANG_START_DELAY", "0.3")))  # "loading the model"
+    fake = FakeSGLang(sessions=os.environ.get("FAKE_SGLANG_SESSIONS", "1") == "1")
+    server = ThreadingHTTPServer((opts["--host"], int(opts["--port"])), fake.handler())
+    server.daemon_threads = True
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    serve([a for a in sys.argv[1:] if a != "--disable-radix-cache"])
+    sys.exit(0)
+
+
+# ------------------------------------------------------------------ tests
+from drmas.actors.config import EngineConfig  # noqa: E402
+from drmas.actors.engines import sglang as sg  # noqa: E402
+from drmas.actors.engines.base import GenerateRequest  # noqa: E402
+from drmas.protocol.messages import JoinWeightGroup  # noqa: E402
+from drmas.transports.config import WeightSyncConfig  # noqa: E402
+from drmas.transports.digest import digest_of  # noqa: E402
+from drmas.transports.weights import WeightReceiver, WeightSender  # noqa: E402
+
+REQ = GenerateRequest([1, 2, 3], temperature=1.0, top_p=1.0, max_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from drmas.models.builtin import char_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def options(**kw: Any) -> sg.SGLangOptions:
+    base = {"command": [sys.executable, str(Path(__file__).resolve())],
+            "start_timeout_s": 20.0, "control_timeout_s": 10.0, "request_timeout_s": 20.0,
+            "weight_timeout_s": 20.0}  # fmt: skip
+    base.update(kw)
+    return sg.SGLangOptions(**base)
+
+
+def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("model.embed_tokens.weight", torch.randn(40, 16, generator=g)),
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(32, 16, generator=g).bfloat16()),
+        ("model.norm.weight", torch.randn(16, generator=g)),
+        ("lm_head.weight", torch.randn(40, 16, generator=g)),
+    ]
+
+
+def expected_logprob(named: list[tuple[str, torch.Tensor]]) -> float:
+    total = sum(float(t.double().sum()) for _, t in named)
+    return -(0.1 + (total - math.floor(total)))
+
+
+async def publish(engine: sg.SGLangEngine, sender: WeightSender, version: int) -> list:
+    """What the actor's sync_weights does, with the learner's side in a thread."""
+    named = tensors(version)
+    name = f"m-v{version}"
+    join = JoinWeightGroup("m", version, name, sender.store_address, 1, 2, 20.0)
+    learner = asyncio.create_task(asyncio.to_thread(sender.publish, name, 2, named, 20.0))
+    await engine.pause()
+    try:
+        await asyncio.to_thread(
+            WeightReceiver().receive_into, join, lambda b: engine.load_weights(b, version)
+        )
+    finally:
+        await engine.resume()
+    await learner
+    return named
+
+
+def fake_state(engine: sg.SGLangEngine) -> dict[str, Any]:
+    return sg.http_call(engine.url, "/_fake/state", None, 5.0)[1]  # type: ignore[no-any-return]
+
+
+def test_managed_server_generates_pauses_takes_weights_and_stops(model_dir: Path) -> None:
+    engine = sg.SGLangEngine("m", model_dir, EngineConfig(), options())
+    sender = WeightSender(WeightSyncConfig(bucket_mb=0.002))  # several buckets per publish
+
+    async def main() -> None:
+        await engine.start()
+        assert engine.tokenizer is not None and engine.server is not None
+        proc = engine.server.proc
+        assert proc is not None and proc.poll() is None
+        try:
+            first = await asyncio.gather(*(engine.generate(REQ) for _ in range(8)))
+            assert all(r.finish_reason == "length" and len(r.token_ids) == 4 for r in first)
+            assert all(r.logprobs == [-0.1] * 4 and r.version == 0 for r in first)
+            # a request in flight when the pause comes (keep -> retract) finishes after it
+            inflight = asyncio.create_task(engine.generate(REQ))
+            for version in (1, 2):
+                await asyncio.sleep(0.01)
+                named = await publish(engine, sender, version)
+                assert engine.version == version
+                assert await asyncio.to_thread(engine.server_weight_version) == str(version)
+                state = fake_state(engine)
+                assert state["violations"] == []
+                assert state["digest"] == digest_of(named) == engine.weights_digest()
+                after = await engine.generate(REQ)
+                assert after.version == version
+                assert after.logprobs == pytest.approx([expected_logprob(named)] * 4, abs=1e-6)
+            assert (await inflight).finish_reason == "length"
+            routes = state["routes"]
+            assert routes.count("/init_weights_update_group") == 1  # the bridge is reused
+            assert routes.count("/pause_generation") == routes.count("/continue_generation") == 2
+            assert routes.count("/begin_weight_update") == routes.count("/end_weight_update") == 2
+            assert routes.count("/update_weights_from_distributed") > 2  # one per bucket
+        finally:
+            await engine.close()
+        assert proc.wait(10) is not None and engine.server.proc is None
+        assert fake_state_gone(engine)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def fake_state_gone(engine: sg.SGLangEngine) -> bool:
+    with pytest.raises(sg.SGLangHTTPError, match="is the server running"):
+        sg.http_call(engine.url, "/health", None, 2.0)
+    return True
+
+
+def test_url_mode_abort_pause_resubmits_and_old_server_has_no_sessions(model_dir: Path) -> None:
+    """A server at a URL (in a thread here), abort mode, a server that predates the
+    begin/end_weight_update session (404): the adapter works without it."""
+    fake = FakeSGLang(sessions=False)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), fake.handler())
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    engine = sg.SGLangEngine("m", model_dir, EngineConfig(), options(url=url, pause_mode="abort"))
+
+    async def main() -> None:
+        await engine.start()
+        try:
+            inflight = asyncio.create_task(engine.generate(REQ))
+            await asyncio.sleep(0.01)
+            await engine.pause()
+            await asyncio.sleep(0.1)  # the fake aborts it now; the engine waits to resubmit
+            assert not inflight.done()
+            engine._session_call("/begin_weight_update", sg.begin_update_body())
+            assert not engine._sessions_supported
+            await engine.resume()
+            result = await inflight
+            assert result.finish_reason == "length" and len(result.token_ids) == 4
+        finally:
+            await engine.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        server.shutdown()
+    assert fake.violations == []
+    assert fake.routes.count("/generate") == 2  # aborted once, then run again
+
+
+def test_managed_server_that_exits_reports_its_log(model_dir: Path) -> None:
+    crash = [sys.executable, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)"]
+    engine = sg.SGLangEngine("m", model_dir, EngineConfig(), options(command=crash))
+    with pytest.raises(RuntimeError, match=r"exited with code 3(.|\n)*CUDA out of memory"):
+        asyncio.run(engine.start())
+
+
+def test_managed_server_never_ready_times_out_and_is_killed(model_dir: Path) -> None:
+    hang = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+            "signal.SIG_IGN); time.sleep(60)"]  # fmt: skip
+    engine = sg.SGLangEngine(
+        "m", model_dir, EngineConfig(), options(command=hang, start_timeout_s=1.0)
+    )
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="not ready within 1s"):
+        asyncio.run(engine.start())
+    assert engine.server is not None and engine.server.proc is None  # stopped (killed)
+    assert time.monotonic() - start < 20
