@@ -3,6 +3,8 @@
 # bit, the hf engine on CUDA. Runs in under 5 minutes on one GPU machine; the two-rank
 # checks need 2 GPUs and report themselves skipped on one. Timings are printed.
 #   bash scripts/gpu_check.sh            (after: pip install -e '.[dev]' with a CUDA torch)
+# With pip install 'drmas[sglang]' it also starts a tiny SGLang server and publishes weights
+# into it through the sglang engine (tests/gpu/test_gpu_sglang.py; skipped without sglang).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
