@@ -338,6 +338,10 @@ def test_url_mode_abort_pause_resubmits_and_old_server_has_no_sessions(model_dir
             await engine.resume()
             result = await inflight
             assert result.finish_reason == "length" and len(result.token_ids) == 4
+            fake.paused, fake.mode = True, "abort"  # the server aborts on its own: an error
+            with pytest.raises(sg.SGLangHTTPError, match="aborted a request"):
+                await engine.generate(REQ)
+            fake.paused = False
         finally:
             await engine.close()
 
@@ -346,7 +350,7 @@ def test_url_mode_abort_pause_resubmits_and_old_server_has_no_sessions(model_dir
     finally:
         server.shutdown()
     assert fake.violations == []
-    assert fake.routes.count("/generate") == 2  # aborted once, then run again
+    assert fake.routes.count("/generate") == 3  # aborted by our pause and run again; 1 error
 
 
 def test_managed_server_that_exits_reports_its_log(model_dir: Path) -> None:

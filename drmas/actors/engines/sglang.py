@@ -387,6 +387,7 @@ class SGLangEngine:
         self._sessions_supported = True
         self._digest: Digest | None = None
         self._digest_version = -1
+        self._pauses = 0  # pause() calls: tells our own aborts from the server's
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._closed = False
@@ -432,7 +433,7 @@ class SGLangEngine:
             if self._closed:
                 raise RuntimeError("engine closed")
             await asyncio.wait_for(self._resumed.wait(), self.opts.request_timeout_s)
-            version = self.version
+            version, pauses = self.version, self._pauses
             status, reply = await loop.run_in_executor(
                 self._pool,
                 http_call,
@@ -446,11 +447,15 @@ class SGLangEngine:
             ids, logprobs, reason = parse_generate(reply)
             if reason != "abort":
                 return GenerateResult(ids, logprobs, reason, version)
-            if self._resumed.is_set() and self.opts.pause_mode != "abort":
-                raise SGLangHTTPError(f"SGLang aborted a request: {reply['meta_info']}")
-            # aborted by our pause (abort mode): run it again on the new weights
+            if self.opts.pause_mode != "abort" or self._pauses == pauses:
+                raise SGLangHTTPError(
+                    f"SGLang aborted a request ({reply['meta_info'].get('finish_reason')}); "
+                    "a prompt longer than the context? (actor.engine.max_model_len)"
+                )
+            # aborted by our pause (abort mode): run it again, on the new weights
 
     async def pause(self) -> None:
+        self._pauses += 1
         self._resumed.clear()
         await asyncio.to_thread(
             _checked,
@@ -461,19 +466,23 @@ class SGLangEngine:
         )
 
     async def resume(self) -> None:
+        """Close the weight-update session (if one is open), then continue generation
+        even when closing failed (the error is raised after)."""
         try:
             if self._session is not None:
                 self._session = None
                 await asyncio.to_thread(self._session_call, "/end_weight_update", end_update_body())
-            await asyncio.to_thread(
-                _checked,
-                self.url,
-                "/continue_generation",
-                continue_body(),
-                self.opts.control_timeout_s,
-            )
         finally:
-            self._resumed.set()
+            try:
+                await asyncio.to_thread(
+                    _checked,
+                    self.url,
+                    "/continue_generation",
+                    continue_body(),
+                    self.opts.control_timeout_s,
+                )
+            finally:
+                self._resumed.set()
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
