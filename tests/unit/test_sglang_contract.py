@@ -329,3 +329,12 @@ def test_options_come_from_the_engine_config_fields() -> None:
     assert "--disable-radix-cache" in args and "--disable-cuda-graph" not in args
     with pytest.raises(ValueError, match="pause_mode"):
         sg.SGLangOptions.from_config(SimpleNamespace(pause_mode="drain"))  # type: ignore[arg-type]
+
+
+def test_missing_sglang_is_reported_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match=r"pip install 'drmas\[sglang\]'"):
+        sg.require_sglang(sg.SGLangOptions())
+    sg.require_sglang(sg.SGLangOptions(url="http://h:1"))  # a running server needs no package

@@ -138,6 +138,19 @@ def extra_flags(extra: dict[str, Any]) -> list[str]:
     return flags
 
 
+def require_sglang(opts: SGLangOptions) -> None:
+    """Fail before training starts when a managed server cannot be launched here."""
+    import importlib.util
+
+    managed = not opts.url and opts.command[1:3] == ["-m", "sglang.launch_server"]
+    if managed and importlib.util.find_spec("sglang") is None:
+        raise ImportError(
+            "actor.engine.name=sglang starts an SGLang server, but the sglang package is "
+            "not installed: pip install 'drmas[sglang]' (needs a CUDA GPU), or set "
+            "actor.engine.sglang_url to a running server"
+        )
+
+
 # ------------------------------------------------------------------ request bodies
 # Each body matches one SGLang request type (io_struct.py); tests/unit/test_sglang_contract.py
 # checks every key and value type against the vendored definitions.
