@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, get_args
 
 EngineName = Literal["hf", "vllm", "sglang", "sim"]
+PauseMode = Literal["keep", "abort"]
 
 
 @dataclass
@@ -31,6 +32,39 @@ class EngineConfig:
     sim_vocab_size: int = 0
     """sim engine: sample token ids below this; 0 (or more than the model has) = the model's
     whole vocabulary."""
+    tensor_parallel_size: int = 1
+    """vllm/sglang: GPUs one engine shards the model over."""
+    gpu_memory_utilization: float = 0.9
+    """vllm/sglang: fraction of GPU memory the engine may take (weights + KV cache)."""
+    max_model_len: int = 0
+    """vllm/sglang: longest prompt + response in tokens; 0 = the model's own limit."""
+    enable_prefix_caching: bool = True
+    """vllm/sglang: reuse the KV cache of shared prefixes (group samples, multi-turn)."""
+    pause_mode: str = "keep"
+    """Around a weight update: keep (in-flight requests wait and continue with the new
+    weights) or abort (they are dropped and restarted from their prompt after the update)."""
+    extra_args: dict[str, Any] = field(default_factory=dict)
+    """vllm/sglang: further engine arguments passed as given (e.g. enforce_eager: true)."""
+
+    def problems(self, key: str) -> list[str]:
+        """What is wrong with the engine-argument fields (config key `key`, e.g.
+        actor.engine); drmas.launch.config.check() raises them before anything starts."""
+        out = []
+        if self.name not in get_args(EngineName):
+            out.append(f"{key}.name={self.name!r} is not one of {list(get_args(EngineName))}")
+        if self.pause_mode not in get_args(PauseMode):
+            out.append(
+                f"{key}.pause_mode={self.pause_mode!r} is not one of {list(get_args(PauseMode))}"
+            )
+        if self.tensor_parallel_size < 1:
+            out.append(f"{key}.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            out.append(
+                f"{key}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_model_len < 0:
+            out.append(f"{key}.max_model_len must be >= 0, got {self.max_model_len}")
+        return out
 
 
 @dataclass
@@ -72,4 +106,11 @@ class ActorConfig:
     max_groups: int = 8
     """Leased groups held at once (their episodes are batched together)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
-    """Engine of every pool on this actor."""
+    """Engine of every pool on this actor unless `pools` names the pool's model."""
+    pools: dict[str, EngineConfig] = field(default_factory=dict)
+    """Per-model engine (model name -> its whole engine config); a model not listed uses
+    `engine`. A pool serves one model for all agents bound to it."""
+
+    def engine_of(self, model: str) -> EngineConfig:
+        """The engine config of the pool that serves `model`."""
+        return self.pools.get(model, self.engine)

@@ -4,7 +4,8 @@ Talks to the broker only (DEALER, drmas/transports/channel.py):
   -> Hello, LeaseRequest, GroupResult, Heartbeat, WeightsLoaded, Goodbye
   <- Welcome, Leases, Accepted, JoinWeightGroup, Shutdown
 and receives weights from each model's learner rank 0 over a torch.distributed group
-(drmas/transports/weights.py) when the broker sends JoinWeightGroup.
+(drmas/transports/weights.py) when the broker sends JoinWeightGroup; an engine whose model
+runs in other processes (vllm: engines.ReceivesWeights) joins that group from its workers.
 
 One asyncio loop: every episode of every held lease is a coroutine that awaits its
 engine, so the engines batch across all of them. Weight joins are handled strictly in
@@ -23,7 +24,7 @@ import socket
 import time
 import zlib
 
-from drmas.actors.engines import make_engine
+from drmas.actors.engines import ReceivesWeights, make_engine
 from drmas.actors.engines.base import Engine
 from drmas.actors.workflows.math import MathWorkflow
 from drmas.launch.config import DrmasConfig
@@ -89,8 +90,9 @@ class Actor:
         to join a weight group at once (a loading actor would stall everyone's rendezvous)."""
         for model in self.models:
             # every actor samples its own stream (same seed on all actors would correlate them)
-            seed = self.cfg.actor.engine.seed + zlib.crc32(self.id.encode())
-            engine_cfg = dataclasses.replace(self.cfg.actor.engine, seed=seed)
+            pool_cfg = self.cfg.actor.engine_of(model)
+            seed = pool_cfg.seed + zlib.crc32(self.id.encode())
+            engine_cfg = dataclasses.replace(pool_cfg, seed=seed)
             engine = make_engine(model, self.cfg.models[model].path, engine_cfg)
             await engine.start()
             self.engines[model] = engine
@@ -213,19 +215,25 @@ class Actor:
             engine = self.engines[join.model]
             start = time.monotonic()
             ok, error, digest = True, "", ""
+            same_dtype = (
+                self.cfg.actor.engine_of(join.model).dtype == self.cfg.models[join.model].dtype
+            )
+            want_digest = self.cfg.weights.verify_digest and same_dtype
             await engine.pause()
             try:
+                if isinstance(engine, ReceivesWeights):  # its own workers join the group
+                    digest = await engine.receive_weights(join, want_digest)
+                else:
 
-                def load(
-                    tensors: NamedTensors, e: Engine = engine, j: JoinWeightGroup = join
-                ) -> None:
-                    e.load_weights(tensors, j.version)
-                    _fault_kill_mid_sync(j)
+                    def load(
+                        tensors: NamedTensors, e: Engine = engine, j: JoinWeightGroup = join
+                    ) -> None:
+                        e.load_weights(tensors, j.version)
+                        _fault_kill_mid_sync(j)
 
-                await asyncio.to_thread(self.receiver.receive_into, join, load)
-                same_dtype = self.cfg.actor.engine.dtype == self.cfg.models[join.model].dtype
-                if self.cfg.weights.verify_digest and same_dtype:
-                    digest = engine.weights_digest()
+                    await asyncio.to_thread(self.receiver.receive_into, join, load)
+                    if want_digest:
+                        digest = engine.weights_digest()
             except Exception as exc:  # a failed sync must not kill the actor: it re-syncs later
                 ok, error = False, f"{type(exc).__name__}: {exc}"
                 log.error("weight sync %s failed: %s", join.group_name, error)

@@ -153,6 +153,7 @@ def check(cfg: DrmasConfig) -> None:
             raise ConfigError(
                 f"agents.{name}.model={agent.model!r} is not in models {sorted(cfg.models)}"
             )
+    declared_models = list(cfg.models)
     for model in list(cfg.models):
         users = cfg.agents_of(model)
         if not users:
@@ -209,6 +210,15 @@ def check(cfg: DrmasConfig) -> None:
         raise ConfigError(f"val.n ({cfg.val.n}) must be >= val.k ({cfg.val.k})")
     if not (0.0 < cfg.sampling.top_p <= 1.0):
         raise ConfigError(f"sampling.top_p must be in (0, 1], got {cfg.sampling.top_p}")
+    unknown_pools = sorted(set(cfg.actor.pools) - set(declared_models))
+    if unknown_pools:
+        raise ConfigError(
+            f"actor.pools names {unknown_pools}, which are not in models {sorted(declared_models)}"
+        )
+    pools = {f"actor.pools.{m}": e for m, e in cfg.actor.pools.items()}
+    for key, engine_cfg in {"actor.engine": cfg.actor.engine, **pools}.items():
+        if problems := engine_cfg.problems(key):
+            raise ConfigError("; ".join(problems))
     engine = cfg.actor.engine
     if engine.sim_token_latency_s < 0 or engine.sim_prompt_latency_s_per_token < 0:
         raise ConfigError("actor.engine.sim_*latency* must be >= 0 seconds")

@@ -1,11 +1,32 @@
-"""Rollout engines behind one interface (base.py). `make_engine` picks one by name."""
+"""Rollout engines behind one interface (base.py). `make_engine` picks one by name.
+
+Engines whose model lives in other processes (vllm: its worker processes) receive a
+weight publish themselves: they implement `ReceivesWeights`, and the actor
+(drmas/actors/main.py) hands them the JoinWeightGroup instead of receiving the tensors
+itself and calling `load_weights`.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from drmas.actors.config import EngineConfig
 from drmas.actors.engines.base import Engine
+
+if TYPE_CHECKING:
+    from drmas.protocol.messages import JoinWeightGroup
+
+
+@runtime_checkable
+class ReceivesWeights(Protocol):
+    """An engine that joins a weight group from its own processes."""
+
+    async def receive_weights(self, join: JoinWeightGroup, digest: bool) -> str:
+        """Join `join`'s group, load every bucket into the running model (call only while
+        paused), set `version` to `join.version`; return the drmas digest of the loaded
+        weights ("" when `digest` is False or they cannot be read back)."""
+        ...
 
 
 def _hf(model_name: str, path: str, cfg: EngineConfig) -> Engine:
@@ -20,7 +41,14 @@ def _sim(model_name: str, path: str, cfg: EngineConfig) -> Engine:
     return SimEngine(model_name, path, cfg)
 
 
-_ENGINES = {"hf": _hf, "sim": _sim}
+def _vllm(model_name: str, path: str, cfg: EngineConfig) -> Engine:
+    from drmas.actors.engines.vllm import VLLMEngine, require_vllm
+
+    require_vllm()  # fail here, before any training starts, with what to install
+    return VLLMEngine(model_name, Path(path), cfg)
+
+
+_ENGINES = {"hf": _hf, "sim": _sim, "vllm": _vllm}
 
 
 def make_engine(model_name: str, path: str, cfg: EngineConfig) -> Engine:
