@@ -1,6 +1,6 @@
 """The vllm engine's pure parts, without vLLM: engine arguments pass through from config,
 per-model pools, the errors a user sees before training (vLLM missing, model too big).
-Nothing here imports vllm (tests/integration/test_vllm_engine.py runs the real one)."""
+Nothing here imports vllm (tests/integration/test_vllm_live.py runs the real one)."""
 
 from __future__ import annotations
 
