@@ -63,12 +63,18 @@ class StepMetrics:
         )
 
     def add(self, step: int, values: dict[str, float]) -> None:
+        """Values for `step`'s line; dropped once that line is written (a re-publish of an
+        old version, or a step from before a resume, must not write a second line)."""
+        if step in self.flushed:
+            return
         self.pending.setdefault(step, {}).update(values)
 
     def report(
         self, step: int, model: str, part: str, values: dict[str, float], counters: dict[str, int]
     ) -> None:
         """`part` is "step" (learner metrics) or "publish" (weight sync)."""
+        if step in self.flushed:
+            return
         self.add(step, values)
         self.reported.setdefault(step, set()).add((model, part))
         if self.reported[step] >= self.parts:

@@ -189,3 +189,29 @@ def test_split_group_spans_give_back_each_models_steps_and_scores():
         (e.prompt_ids, e.response_ids, e.logprobs) for e in expected
     ]
     assert [s.version for s in samples] == [0, 3, 0]
+
+
+def test_a_step_line_is_written_once_even_when_parts_of_it_come_late():
+    from drmas.broker.metrics import StepMetrics
+
+    class ListSink:
+        def __init__(self):
+            self.lines = []
+
+        def write(self, record):
+            self.lines.append(record)
+
+        def close(self):
+            pass
+
+    sink = ListSink()
+    metrics = StepMetrics(sink, ["m"])  # type: ignore[arg-type]
+    metrics.report(1, "m", "step", {"loss/m": 0.5}, {})
+    metrics.report(1, "m", "publish", {"weight_sync_s/m": 0.1}, {})
+    assert [x["step"] for x in sink.lines] == [1]
+    # a re-publish of version 1 to a late actor, and a resumed run's restored steps
+    metrics.report(1, "m", "publish", {"weight_sync_s/m": 0.2}, {})
+    metrics.flushed.update({2})
+    metrics.report(2, "m", "publish", {"weight_sync_s/m": 0.3}, {})
+    metrics.close({})
+    assert [x["step"] for x in sink.lines] == [1]

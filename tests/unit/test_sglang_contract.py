@@ -100,10 +100,35 @@ def _sub_args(node: ast.Subscript) -> list[ast.expr]:
     return list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
 
 
+@functools.cache
+def _parse_annotation(text: str) -> ast.expr:
+    return ast.parse(text, mode="eval").body
+
+
+def _parse_everything_now() -> None:
+    """Parse the vendored files and every string annotation at import, in the main thread.
+
+    The fake server (test_sglang_engine.py) checks bodies in its handler threads; on
+    CPython 3.11, ast.parse in a thread can raise "AST constructor recursion depth mismatch"
+    after another test (hypothesis) changed the recursion limit, so threads must only
+    read these caches."""
+    for filename in ("io_struct.py.txt", "sampling_params.py.txt"):
+        if not (DATA / filename).exists():
+            continue
+        _aliases(filename)
+        for cls in _classes(filename).values():
+            for node in ast.walk(cls):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    try:
+                        _parse_annotation(node.value)
+                    except SyntaxError:
+                        continue  # a docstring or default, not an annotation
+
+
 def conforms(value: Any, ann: ast.expr, filename: str = "io_struct.py.txt") -> bool:
     """Does a JSON value fit the annotation (as pydantic would accept it)?"""
     if isinstance(ann, ast.Constant) and isinstance(ann.value, str):  # string annotation
-        return conforms(value, ast.parse(ann.value, mode="eval").body, filename)
+        return conforms(value, _parse_annotation(ann.value), filename)
     if isinstance(ann, ast.Name):
         name = ann.id
         simple: dict[str, Any] = {
@@ -172,6 +197,9 @@ def _check_fields(body: dict[str, Any], cls: str, filename: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ the checker itself
+_parse_everything_now()
+
+
 def test_checker_rejects_what_sglang_would_reject() -> None:
     assert violations("/generate", {"input_ids": [1, 2], "bogus": 1}) == [
         "GenerateReqInput has no field 'bogus'"

@@ -212,6 +212,7 @@ from drmas.protocol.messages import JoinWeightGroup  # noqa: E402
 from drmas.transports.config import WeightSyncConfig  # noqa: E402
 from drmas.transports.digest import digest_of  # noqa: E402
 from drmas.transports.weights import WeightReceiver, WeightSender  # noqa: E402
+from tests.unit import test_sglang_contract  # noqa: E402, F401  (parses SGLang's types here, in the main thread)
 
 REQ = GenerateRequest([1, 2, 3], temperature=1.0, top_p=1.0, max_new_tokens=4)
 
