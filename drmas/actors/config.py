@@ -45,6 +45,20 @@ class EngineConfig:
     weights) or abort (they are dropped and restarted from their prompt after the update)."""
     extra_args: dict[str, Any] = field(default_factory=dict)
     """vllm/sglang: further engine arguments passed as given (e.g. enforce_eager: true)."""
+    sglang_url: str = ""
+    """sglang: URL of a running server; "" = start and stop one (python -m sglang.launch_server)."""
+    sglang_host: str = "127.0.0.1"
+    """sglang: address a managed server binds."""
+    sglang_port: int = 0
+    """sglang: port of a managed server; 0 = a free one."""
+    sglang_bridge_host: str = "127.0.0.1"
+    """sglang: address the server reaches this actor's weight bridge at."""
+    sglang_start_timeout_s: float = 600.0
+    """sglang: seconds a managed server has to answer /health."""
+    sglang_request_timeout_s: float = 600.0
+    """sglang: seconds one /generate may take."""
+    sglang_weight_timeout_s: float = 300.0
+    """sglang: seconds for the bridge rendezvous and each bucket."""
 
     def problems(self, key: str) -> list[str]:
         """What is wrong with the engine-argument fields (config key `key`, e.g.

@@ -48,7 +48,15 @@ def _vllm(model_name: str, path: str, cfg: EngineConfig) -> Engine:
     return VLLMEngine(model_name, Path(path), cfg)
 
 
-_ENGINES = {"hf": _hf, "sim": _sim, "vllm": _vllm}
+def _sglang(model_name: str, path: str, cfg: EngineConfig) -> Engine:
+    from drmas.actors.engines.sglang import SGLangEngine, SGLangOptions, require_sglang
+
+    opts = SGLangOptions.from_config(cfg)
+    require_sglang(opts)  # "pip install 'drmas[sglang]'" before training starts
+    return SGLangEngine(model_name, path, cfg, opts)
+
+
+_ENGINES = {"hf": _hf, "sim": _sim, "vllm": _vllm, "sglang": _sglang}
 
 
 def make_engine(model_name: str, path: str, cfg: EngineConfig) -> Engine:
