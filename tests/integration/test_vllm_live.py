@@ -233,3 +233,28 @@ def test_drmas_train_with_vllm_and_hf_pools(tmp_path: Path, model_cache: Path) -
     assert c.get("weight_digest_mismatch", 0) == 0
     assert c["weight_digest_match"] >= 4  # 2 publishes x 2 models, every one checked
     assert summary["trained_groups"] == {"solver": 8, "verifier": 8}
+
+
+def test_drmas_train_with_one_shared_vllm_pool(tmp_path: Path, model_cache: Path) -> None:
+    """One pool shared by both agents: experiment=tiny_math_shared on one vLLM engine."""
+    run_dir = tmp_path / "run"
+    out = drmas(
+        "train",
+        *FAST,
+        "experiment=tiny_math_shared",
+        "models.policy.warmstart.steps=60",
+        "train.steps=2",
+        "val.every=0",
+        "actor.engine.name=vllm",
+        "+actor.engine.extra_args.enforce_eager=true",
+        "weights.timeout_s=60",
+        f"run.dir={run_dir}",
+        f"run.cache_dir={model_cache}",
+        timeout=420,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert "policy: vLLM engine on" in (run_dir / "logs" / "actor-0.log").read_text()
+    summary = read_summary(run_dir)
+    c = summary["counters"]
+    assert c.get("weight_digest_mismatch", 0) == 0 and c["weight_digest_match"] >= 2
+    assert summary["trained_groups"] == {"policy": 8}
