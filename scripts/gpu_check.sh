@@ -5,6 +5,8 @@
 #   bash scripts/gpu_check.sh            (after: pip install -e '.[dev]' with a CUDA torch)
 # With pip install 'drmas[sglang]' it also starts a tiny SGLang server and publishes weights
 # into it through the sglang engine (tests/gpu/test_gpu_sglang.py; skipped without sglang).
+# With pip install 'drmas[vllm]' and 2 GPUs it starts the vllm engine on GPU 1 and publishes
+# into it over NCCL from GPU 0 (tests/gpu/test_gpu_vllm.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
