@@ -38,6 +38,16 @@ class GenerateResult:
     """Weight version when this request started generating."""
 
 
+def check_request(request: GenerateRequest, vocab_size: int) -> None:
+    """The checks every engine makes before queueing a request (ValueError says which)."""
+    if not request.prompt_ids:
+        raise ValueError("empty prompt")
+    if request.max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
+    if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
+        raise ValueError(f"prompt token id outside the vocabulary [0, {vocab_size})")
+
+
 class Engine(Protocol):
     """Batched async generation plus weight loading for one model."""
 

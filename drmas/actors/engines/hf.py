@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from drmas.actors.config import EngineConfig
-from drmas.actors.engines.base import GenerateRequest, GenerateResult
+from drmas.actors.engines.base import GenerateRequest, GenerateResult, check_request
 from drmas.transports.digest import digest_of
 
 if TYPE_CHECKING:
@@ -194,12 +194,7 @@ class HFEngine:
             raise RuntimeError(f"engine {self.model_name!r}: call start() before generate()")
         if self._task.done():
             raise RuntimeError(f"engine {self.model_name!r}: scheduler stopped")
-        if not request.prompt_ids:
-            raise ValueError("empty prompt")
-        if request.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
-        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self._vocab_size:
-            raise ValueError(f"prompt token id outside the vocabulary [0, {self._vocab_size})")
+        check_request(request, self._vocab_size)
         if request.max_new_tokens == 0:
             return GenerateResult([], [], "length", self.version)
         future: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()

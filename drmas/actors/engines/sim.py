@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from drmas.actors.config import EngineConfig
-from drmas.actors.engines.base import GenerateRequest, GenerateResult
+from drmas.actors.engines.base import GenerateRequest, GenerateResult, check_request
 
 if TYPE_CHECKING:
     import torch
@@ -188,12 +188,7 @@ class SimEngine:
             raise RuntimeError(f"engine {self.model_name!r}: call start() before generate()")
         if self._task.done():
             raise RuntimeError(f"engine {self.model_name!r}: scheduler stopped")
-        if not request.prompt_ids:
-            raise ValueError("empty prompt")
-        if request.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
-        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token id outside the vocabulary [0, {self.vocab_size})")
+        check_request(request, self.vocab_size)
         if request.max_new_tokens == 0:
             return GenerateResult([], [], "length", self.version)
         future: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from drmas.actors.config import EngineConfig
-from drmas.actors.engines.base import GenerateRequest, GenerateResult
+from drmas.actors.engines.base import GenerateRequest, GenerateResult, check_request
 from drmas.transports.weights import WeightSyncError
 
 if TYPE_CHECKING:
@@ -218,12 +218,7 @@ class VLLMEngine:
             raise RuntimeError(f"engine {self.model_name!r}: not started or closed")
         if self.llm.errored:
             raise RuntimeError(f"engine {self.model_name!r}: vLLM's engine process died (see log)")
-        if not request.prompt_ids:
-            raise ValueError("empty prompt")
-        if request.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
-        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self._vocab_size:
-            raise ValueError(f"prompt token id outside the vocabulary [0, {self._vocab_size})")
+        check_request(request, self._vocab_size)
         if request.max_new_tokens == 0:
             return GenerateResult([], [], "length", self.version)
         from vllm.inputs import TokensPrompt
