@@ -6,9 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,3 +61,52 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "broker_summary.json").read_text())
+
+
+# ---------------------------------------------------------- a run in the background
+T = TypeVar("T")
+
+
+def start_train(run_dir: Path, cache: Path, *extra: str) -> subprocess.Popen[str]:
+    """`drmas train` with the FAST settings as a background child (output piped)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "drmas.launch.cli", "train", *FAST, *extra,
+         f"run.dir={run_dir}", f"run.cache_dir={cache}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+
+
+def wait_for(
+    pred: Callable[[], T], timeout: float, what: str, run: subprocess.Popen[str] | None = None
+) -> T:
+    """Poll `pred` until it is truthy; fail early if `run` (drmas train) has ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if run is not None and run.poll() is not None:
+            raise AssertionError(f"drmas train ended (code {run.returncode}) before: {what}")
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise TimeoutError(what)
+
+
+def broker_address(run_dir: Path, timeout: float = 240) -> str:
+    def address() -> str:
+        path = run_dir / "config.yaml"
+        return yaml.safe_load(path.read_text())["broker"]["address"] if path.exists() else ""
+
+    return wait_for(address, timeout, "drmas train wrote no config.yaml")
+
+
+def status(address: str) -> dict[str, Any]:
+    out = drmas("status", address, "--json", "--timeout", "10", timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 420) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out

@@ -8,36 +8,33 @@ starts (and stops) itself.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import yaml
 
 from drmas.broker.state import BrokerState
 from drmas.launch.config import load_config
 from drmas.protocol.messages import NoBatch
 from drmas.tasks.source import TaskSource
-from tests.integration.conftest import FAST, REPO, drmas, read_summary
+from tests.integration.conftest import (
+    REPO,
+    broker_address,
+    finish,
+    read_summary,
+    start_train,
+    status,
+    wait_for,
+)
 
 T = TypeVar("T")
 MODELS = ["solver", "verifier"]
 
 
 # ----------------------------------------------------------------------- helpers
-def start_train(run_dir: Path, cache: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "drmas.launch.cli", "train", *FAST, "train.progress=false",
-         *extra, f"run.dir={run_dir}", f"run.cache_dir={cache}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
 
 
 def start_actor(run_dir: Path, address: str, actor_id: str, *extra: str) -> subprocess.Popen[str]:
@@ -50,43 +47,8 @@ def start_actor(run_dir: Path, address: str, actor_id: str, *extra: str) -> subp
     )  # fmt: skip
 
 
-def broker_address(run_dir: Path, timeout: float = 240) -> str:
-    def address() -> str:
-        path = run_dir / "config.yaml"
-        return yaml.safe_load(path.read_text())["broker"]["address"] if path.exists() else ""
-
-    return wait_for(address, timeout, "drmas train wrote no config.yaml")
-
-
-def status(address: str) -> dict[str, Any]:
-    out = drmas("status", address, "--json", "--timeout", "10", timeout=30)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
-
-
 def actor_status(address: str, actor_id: str) -> dict[str, Any]:
     return {a["client_id"]: a for a in status(address)["actors"]}.get(actor_id, {})
-
-
-def wait_for(
-    pred: Callable[[], T], timeout: float, what: str, run: subprocess.Popen[str] | None = None
-) -> T:
-    """Poll until pred() is truthy; fails at once if `run` (drmas train) has ended."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if run is not None and run.poll() is not None:
-            raise AssertionError(f"drmas train ended (code {run.returncode}) before: {what}")
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise TimeoutError(what)
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = 300) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out[-4000:]
-    return out
 
 
 def stop_all(*procs: subprocess.Popen[str] | None) -> None:
@@ -137,7 +99,9 @@ def test_actor_attached_mid_run_syncs_then_trains(tmp_path: Path, model_cache: P
     """hf engine: a second actor attached once both models are past v1 shows in status,
     receives the current weights (digests match), and then contributes accepted groups."""
     run_dir, steps = tmp_path / "run", 8
-    train = start_train(run_dir, model_cache, f"train.steps={steps}", "actor.max_groups=2")
+    train = start_train(
+        run_dir, model_cache, "train.progress=false", f"train.steps={steps}", "actor.max_groups=2"
+    )
     late = None
     try:
         address = broker_address(run_dir)
@@ -210,7 +174,9 @@ def test_sigterm_detach_hands_back_leases(tmp_path: Path, model_cache: Path) -> 
 @pytest.mark.slow
 def test_sim_engine_run_completes(tmp_path: Path, model_cache: Path) -> None:
     run_dir, steps = tmp_path / "run", 4
-    train = start_train(run_dir, model_cache, "actor.engine.name=sim", "actor.num_actors=2")
+    train = start_train(
+        run_dir, model_cache, "train.progress=false", "actor.engine.name=sim", "actor.num_actors=2"
+    )
     try:
         finish(train)
     finally:

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgpack
 import pytest
-import yaml
 import zmq
 
 from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode, pack_ids, pack_logprobs
@@ -26,50 +23,17 @@ from drmas.protocol.messages import (
     Welcome,
     pack_group,
 )
-from tests.integration.conftest import FAST, REPO, drmas, read_summary
+from tests.integration.conftest import (
+    REPO,
+    broker_address,
+    finish,
+    read_summary,
+    start_train,
+    status,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def start_train(run_dir: Path, cache: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "drmas.launch.cli", "train", *FAST, *extra,
-         f"run.dir={run_dir}", f"run.cache_dir={cache}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-
-
-def broker_address(run_dir: Path, timeout: float = 240) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        path = run_dir / "config.yaml"
-        if path.exists():
-            return yaml.safe_load(path.read_text())["broker"]["address"]
-        time.sleep(0.5)
-    raise TimeoutError("drmas train wrote no config.yaml")
-
-
-def status(address: str) -> dict:
-    out = drmas("status", address, "--json", timeout=30)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise TimeoutError(what)
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = 420) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out[-4000:]
-    return out
 
 
 def test_actor_killed_mid_run_loses_nothing(tmp_path: Path, model_cache: Path) -> None:
