@@ -143,7 +143,12 @@ def test_sigterm_detach_hands_back_leases(tmp_path: Path, model_cache: Path) -> 
     back (not lost to a heartbeat timeout) and the run completes with nothing lost."""
     run_dir, steps = tmp_path / "run", 6
     train = start_train(
-        run_dir, model_cache, f"train.steps={steps}", "actor.engine.name=sim", "actor.max_groups=2"
+        run_dir,
+        model_cache,
+        "train.progress=false",
+        f"train.steps={steps}",
+        "actor.engine.name=sim",
+        "actor.max_groups=2",
     )
     leaver = None
     try:
