@@ -98,9 +98,17 @@ class WorkflowConfig:
     """The multi-agent workflow an episode runs."""
 
     name: str = "math"
-    """math: Solver <-> Verifier."""
+    """math: Solver <-> Verifier; search: Verifier -> Search Agent | Answer Agent."""
     max_loops: int = 2
-    """Solver/Verifier rounds; the Verifier is skipped on the last one."""
+    """math: Solver/Verifier rounds; the Verifier is skipped on the last one."""
+    max_turns: int = 4
+    """search: turns of at most Verifier + Search Agent each; the last turn is the Answer
+    Agent's (so at most max_turns - 1 searches)."""
+    on_invalid: str = "continue"
+    """search: after an action that does not parse (a Verifier reply without a verdict, a
+    Search Agent reply without a query): continue (the reply stays in the context and the
+    next turn starts) or end (the episode stops unanswered). The step is penalised either
+    way (algorithm.invalid_action_penalty)."""
     prompt_style: str = "plain"
     """plain text prompts (tiny models) or the tokenizer's chat template."""
     instructions: dict[str, str] | None = None

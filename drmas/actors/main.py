@@ -26,6 +26,7 @@ import zlib
 
 from drmas.actors.engines import ReceivesWeights, make_engine
 from drmas.actors.engines.base import Engine
+from drmas.actors.workflows.base import TeamWorkflow
 from drmas.actors.workflows.math import MathWorkflow
 from drmas.launch.config import DrmasConfig
 from drmas.protocol.messages import (
@@ -76,6 +77,7 @@ class Actor:
             security=cfg.security,
         )
         self.engines: dict[str, Engine] = {}
+        self.workflow: TeamWorkflow | None = None
         self.running: dict[int, asyncio.Task[list[Episode]]] = {}
         self.leases: dict[int, Lease] = {}
         self.started_at: dict[int, float] = {}
@@ -98,7 +100,7 @@ class Actor:
             self.engines[model] = engine
         tokenizers = {m: e.tokenizer for m, e in self.engines.items()}
         agent_models = {a: self.cfg.model_of(a) for a in self.cfg.agents}
-        self.workflow = MathWorkflow(self.cfg.workflow, agent_models, self.engines, tokenizers)
+        self.workflow = make_workflow(self.cfg, agent_models, self.engines, tokenizers)
         welcome = self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
         self.heartbeat_s = welcome.heartbeat_interval_s
         log.info("actor %s serving %s (run %s)", self.id, self.models, welcome.run_id)
@@ -166,6 +168,7 @@ class Actor:
             if self.shut_down_meanwhile(exc):
                 return 0.0
             raise
+        assert self.workflow is not None, "leases are only asked for after start()"
         for lease in reply.leases:
             self.leases[lease.lease_id] = lease
             self.started_at[lease.lease_id] = time.monotonic()
@@ -261,6 +264,8 @@ class Actor:
         try:
             self.client.send(Goodbye(self.id, unfinished))
         finally:
+            if self.workflow is not None:
+                await self.workflow.close()
             for engine in self.engines.values():
                 await engine.close()
             # The client closes with linger=0, which can drop the Goodbye still queued in
@@ -271,6 +276,30 @@ class Actor:
         log.info(
             "actor %s stopped (%s); handed back %d leases", self.id, self.stopping, len(unfinished)
         )
+
+
+def make_workflow(
+    cfg: DrmasConfig,
+    agent_models: dict[str, str],
+    engines: dict[str, Engine],
+    tokenizers: dict[str, object],
+) -> TeamWorkflow:
+    """The configured team workflow; the search team also gets its retriever (a local
+    bm25/dense index, loaded from the cache `drmas train` built, or an HTTP server)."""
+    if cfg.workflow.name == "math":
+        return MathWorkflow(cfg.workflow, agent_models, engines, tokenizers)
+    if cfg.workflow.name == "search":
+        from drmas.actors.workflows.search import SearchWorkflow
+        from drmas.retrieval import build_retriever, resolve_corpus_path
+        from drmas.retrieval.batching import BatchingRetriever
+
+        r = cfg.retriever
+        corpus = resolve_corpus_path(r, cfg.task, cfg.run.cache_dir or None)
+        backend = BatchingRetriever(
+            build_retriever(r, corpus), top_k=r.top_k, max_batch=r.max_batch, timeout_s=r.timeout_s
+        )
+        return SearchWorkflow(cfg.workflow, agent_models, engines, tokenizers, backend)
+    raise ValueError(f"unknown workflow {cfg.workflow.name!r}")
 
 
 def default_actor_id() -> str:

@@ -24,9 +24,22 @@ class EvalRound:
     n: int
     k: int
     successes: dict[str, int] = field(default_factory=dict)  # task_id -> successes of n
+    sums: dict[str, float] = field(default_factory=dict)  # workflow metric -> sum
+    counts: dict[str, int] = field(default_factory=dict)  # workflow metric -> episodes
 
-    def record(self, task: Task, rewards: list[float]) -> None:
+    def record(
+        self, task: Task, rewards: list[float], metrics: list[dict[str, float]] | None = None
+    ) -> None:
+        """The n episodes of one task: rewards (success = reward >= 1) and, per episode, the
+        workflow's metrics (averaged into val/<name>). A task recorded twice (a re-issued
+        lease that finished twice) keeps its first result."""
+        if task.task_id in self.successes:
+            return
         self.successes[task.task_id] = sum(r >= 1.0 for r in rewards)
+        for episode in metrics or []:
+            for name, value in episode.items():
+                self.sums[name] = self.sums.get(name, 0.0) + value
+                self.counts[name] = self.counts.get(name, 0) + 1
 
     @property
     def complete(self) -> bool:
@@ -39,4 +52,5 @@ class EvalRound:
             f"val/pass@{self.k}": sum(pass_at_k(self.n, c, self.k) for c in counts) / len(counts),
             "val/pass@1": sum(pass_at_k(self.n, c, 1) for c in counts) / len(counts),
             "val/tasks": float(len(counts)),
+            **{f"val/{name}": total / self.counts[name] for name, total in self.sums.items()},
         }

@@ -2,8 +2,10 @@
 
 Line for step s (= model versions after s optimizer steps) is written once every model
 has reported step s and finished publishing its weights: batch statistics (rewards, scores, advantages per agent, staleness),
-learner metrics (loss, grad norms, ...), weight-sync seconds and throughput (accepted
-episodes and response tokens per second over the last 30 s). Validation
+learner metrics (loss, grad norms, ...), weight-sync seconds, throughput (accepted
+episodes and response tokens per second over the last 30 s) and the mean team reward and
+workflow metrics (`rollout/<name>`, e.g. search calls per episode) of the episodes accepted
+since the previous line. Validation
 results get lines of their own with the step they evaluated.
 """
 
@@ -12,8 +14,11 @@ from __future__ import annotations
 import collections
 import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
+
+from drmas.protocol.messages import EpisodeHeader
 
 
 class NullSink:
@@ -48,9 +53,23 @@ class StepMetrics:
         self.started = time.monotonic()
         self.window_s = 30.0
         self._intake: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._episode_sums: dict[str, float] = collections.defaultdict(float)
+        self._episode_counts: dict[str, int] = collections.defaultdict(int)
 
     def count_intake(self, episodes: int, tokens: int) -> None:
         self._intake.append((time.monotonic(), episodes, tokens))
+
+    def count_episodes(self, episodes: Iterable[EpisodeHeader]) -> None:
+        """Team reward and workflow metrics of accepted training episodes; each step line
+        gets their means over the episodes accepted since the previous line
+        (`rollout/reward`, `rollout/<name>`)."""
+        sums, counts = self._episode_sums, self._episode_counts
+        for episode in episodes:
+            sums["reward"] += episode.reward
+            counts["reward"] += 1
+            for name, value in episode.metrics.items():
+                sums[name] += value
+                counts[name] += 1
 
     def rates(self, now: float) -> tuple[float, float]:
         """Accepted episodes/s and response tokens/s over the last `window_s` seconds."""
@@ -84,6 +103,10 @@ class StepMetrics:
         line = {"step": step, **self.pending.pop(step, {})}
         line["episodes_per_s"], line["tokens_per_s"] = self.rates(time.monotonic())
         line["dropped_stale_groups"] = counters.get("dropped_stale_groups", 0)
+        for name, total in self._episode_sums.items():
+            line[f"rollout/{name}"] = total / self._episode_counts[name]
+        self._episode_sums.clear()
+        self._episode_counts.clear()
         line["time_s"] = time.time()
         self.reported.pop(step, None)
         self.flushed.add(step)

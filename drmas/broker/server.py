@@ -87,7 +87,9 @@ class BrokerServer:
             agent_models=dict(self.state.agent_models),
             vocab_sizes=vocab_sizes(cfg),
             max_response_tokens=cfg.sampling.max_new_tokens,
-            max_steps_per_episode=4 * cfg.workflow.max_loops + 4,
+            # generous bound on a workflow's calls per episode (math: 2 per loop; search: 2
+            # per turn); a runaway workflow is refused rather than trained on
+            max_steps_per_episode=4 * max(cfg.workflow.max_loops, cfg.workflow.max_turns) + 4,
         )
         self.ctx = zmq.Context()
         self.sock, self.address = bind_router(

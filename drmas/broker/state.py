@@ -23,6 +23,7 @@ from drmas.launch.config import DrmasConfig
 from drmas.protocol.messages import (
     ActorStatus,
     BatchShard,
+    EpisodeHeader,
     GroupResult,
     JoinWeightGroup,
     Lease,
@@ -263,12 +264,13 @@ class BrokerState:
         actor.episodes_done += len(result.episodes)
         if record.eval_round is not None:
             self.counters["eval_groups_accepted"] += 1
-            self._record_eval(record.eval_round, record.task, [e.reward for e in result.episodes])
+            self._record_eval(record.eval_round, record.task, result.episodes)
             return ""
         self.accepted_groups.add(result.group_id)
         self.counters["groups_accepted"] += 1
         self.counters["episodes_accepted"] += len(result.episodes)
         self.metrics.count_intake(len(result.episodes), len(result.response_ids) // 4)
+        self.metrics.count_episodes(result.episodes)
         slices = split_group(
             result.group_id,
             record.task,
@@ -420,11 +422,11 @@ class BrokerState:
                 self.eval_rounds[s] = EvalRound(s, tasks, self.cfg.val.n, self.cfg.val.k)
                 self.eval_queue.extend((t, s) for t in tasks)
 
-    def _record_eval(self, step: int, task: Task, rewards: list[float]) -> None:
+    def _record_eval(self, step: int, task: Task, episodes: list[EpisodeHeader]) -> None:
         rnd = self.eval_rounds.get(step)
         if rnd is None:
             return
-        rnd.record(task, rewards)
+        rnd.record(task, [e.reward for e in episodes], [e.metrics for e in episodes])
         if rnd.complete:
             self.metrics.write({"step": step, **rnd.metrics()})
             del self.eval_rounds[step]

@@ -17,6 +17,7 @@ from drmas.broker.config import AdvantageConfig, AdvantageMode, BrokerConfig
 from drmas.checkpoints.config import CheckpointConfig
 from drmas.learners.config import ISCorrection, LearnerConfig, LossAgg, LossConfig
 from drmas.models.config import ModelConfig
+from drmas.retrieval.config import RETRIEVERS, RetrieverConfig
 from drmas.tasks.config import TaskConfig
 from drmas.transports.config import SecurityConfig, WeightSyncConfig
 
@@ -113,6 +114,7 @@ class DrmasConfig:
     val: ValConfig = field(default_factory=ValConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
 
     def __post_init__(self) -> None:
         check(self)
@@ -131,7 +133,10 @@ class DrmasConfig:
         return lrs.pop() if lrs else self.models[model].lr
 
 
-WORKFLOW_AGENTS = {"math": ("solver", "verifier")}
+WORKFLOW_AGENTS = {
+    "math": ("solver", "verifier"),
+    "search": ("verifier", "searcher", "answerer"),
+}
 
 
 def check(cfg: DrmasConfig) -> None:
@@ -178,7 +183,9 @@ def check(cfg: DrmasConfig) -> None:
         "learner.device": (cfg.learner.device, device),
         "workflow.name": (cfg.workflow.name, tuple(WORKFLOW_AGENTS)),
         "workflow.prompt_style": (cfg.workflow.prompt_style, ("plain", "chat")),
-        "task.name": (cfg.task.name, ("arithmetic", "jsonl", "parquet")),
+        "task.name": (cfg.task.name, ("arithmetic", "kb", "jsonl", "parquet")),
+        "workflow.on_invalid": (cfg.workflow.on_invalid, ("continue", "end")),
+        "retriever.name": (cfg.retriever.name, RETRIEVERS),
         "weights.backend": (cfg.weights.backend, ("auto", "gloo", "nccl")),
     }
     for key, (value, allowed) in choices.items():
@@ -198,6 +205,9 @@ def check(cfg: DrmasConfig) -> None:
         "actor.max_groups": cfg.actor.max_groups,
         "sampling.max_new_tokens": cfg.sampling.max_new_tokens,
         "workflow.max_loops": cfg.workflow.max_loops,
+        "workflow.max_turns": cfg.workflow.max_turns,
+        "retriever.top_k": cfg.retriever.top_k,
+        "retriever.max_batch": cfg.retriever.max_batch,
     }
     for key, count in positive.items():
         if count < 1:
@@ -228,8 +238,29 @@ def check(cfg: DrmasConfig) -> None:
         )
     if engine.sim_vocab_size < 0:
         raise ConfigError(f"actor.engine.sim_vocab_size must be >= 0, got {engine.sim_vocab_size}")
+    if cfg.task.name in ("jsonl", "parquet") and not cfg.task.train_path:
+        raise ConfigError(
+            f"task.name={cfg.task.name} needs task.train_path=FILE (and optionally "
+            "task.val_path=FILE for validation)"
+        )
+    if cfg.workflow.name == "search":
+        _check_search(cfg)
     if cfg.group_size < 2 and cfg.algorithm.advantage.scope == "group":
         raise ConfigError("group_size must be >= 2 for group-relative advantages")
+
+
+def _check_search(cfg: DrmasConfig) -> None:
+    """The search team needs somewhere to search: a corpus (bm25/dense) or a server (http)."""
+    r = cfg.retriever
+    if r.timeout_s <= 0:
+        raise ConfigError(f"retriever.timeout_s must be > 0, got {r.timeout_s}")
+    if r.name == "http" and not r.url:
+        raise ConfigError("retriever.name=http needs retriever.url (e.g. http://127.0.0.1:8000)")
+    if r.name != "http" and not r.corpus_path and cfg.task.name != "kb":
+        raise ConfigError(
+            f"retriever.name={r.name} needs retriever.corpus_path (a JSONL of id, title, text) "
+            "unless task.name=kb, whose generated corpus is used"
+        )
 
 
 def config_dir() -> Path:

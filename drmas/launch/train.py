@@ -32,6 +32,7 @@ from drmas.launch.config import DrmasConfig, to_yaml
 from drmas.launch.ports import free_port
 from drmas.launch.progress import Progress
 from drmas.launch.supervisor import Supervisor
+from drmas.retrieval.config import RetrieverConfig
 
 
 def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path]:
@@ -51,6 +52,7 @@ def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path]:
         )
         for name, m in cfg.models.items()
     }
+    retriever = prepare_retriever(cfg)
     address = cfg.broker.address
     if address.endswith(":0"):
         host = address.rsplit(":", 1)[0]
@@ -61,9 +63,24 @@ def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path]:
         models=models,
         broker=dataclasses.replace(cfg.broker, address=address),
         security=security,
+        retriever=retriever,
     )
     (run_dir / "config.yaml").write_text(to_yaml(resolved))
     return resolved, run_dir
+
+
+def prepare_retriever(cfg: DrmasConfig) -> RetrieverConfig:
+    """Search team with a local index: fix the corpus path (generating the synthetic one for
+    task.name=kb) and build the index once here, so actors load it from the cache instead
+    of each building it."""
+    if cfg.workflow.name != "search" or cfg.retriever.name == "http":
+        return cfg.retriever
+    from drmas.retrieval import build_retriever, resolve_corpus_path
+
+    corpus = resolve_corpus_path(cfg.retriever, cfg.task, cfg.run.cache_dir or None)
+    assert corpus is not None  # only http has no corpus
+    build_retriever(cfg.retriever, corpus).close()
+    return dataclasses.replace(cfg.retriever, corpus_path=str(Path(corpus).resolve()))
 
 
 def start_children(cfg: DrmasConfig, run_dir: Path, sup: Supervisor) -> None:

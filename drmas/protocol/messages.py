@@ -88,6 +88,7 @@ class Task(msgspec.Struct, forbid_unknown_fields=True):
     question: str
     answer: str  # gold answer, graded on the actor
     source: str = ""
+    answers: list[str] = []  # every accepted answer when there are several (QA); [] = [answer]
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -143,6 +144,9 @@ class Step(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 class Episode(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     steps: list[Step]
     reward: float  # team reward of the episode
+    # workflow measurements of the episode (e.g. search_calls, em, f1): averaged by the
+    # broker into rollout/<name> (training) and val/<name> (validation) metrics
+    metrics: dict[str, float] = {}
 
 
 class StepHeader(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -160,6 +164,7 @@ class StepHeader(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 class EpisodeHeader(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     steps: list[StepHeader]
     reward: float
+    metrics: dict[str, float] = {}
 
 
 # actor -> broker: all episodes of one lease. Answered by Accepted.
@@ -198,7 +203,7 @@ class GroupResult(_Msg, tag="group_result", gc=False):
                     )
                 )
                 p, r = p_end, r_end
-            episodes.append(Episode(steps, episode.reward))
+            episodes.append(Episode(steps, episode.reward, dict(episode.metrics)))
         return episodes
 
 
@@ -236,6 +241,7 @@ def pack_group(
                     for s in e.steps
                 ],
                 e.reward,
+                e.metrics,
             )
             for e in episodes
         ],

@@ -75,6 +75,20 @@ _FINISH_REASONS = frozenset(("stop", "length"))
 _U32 = np.dtype("<u4")
 
 
+MAX_EPISODE_METRICS = 32
+"""Workflow metrics one episode may carry (each becomes a metrics.jsonl column)."""
+
+
+def _check_episode_metrics(i: int, metrics: dict[str, float]) -> None:
+    if len(metrics) > MAX_EPISODE_METRICS:
+        _fail(f"episode {i}: {len(metrics)} metrics, at most {MAX_EPISODE_METRICS}")
+    for name, value in metrics.items():
+        if not (0 < len(name) <= 64) or not math.isfinite(value):
+            _fail(
+                f"episode {i}: metric {name[:64]!r}={value} needs a 1..64-char name and a finite value"
+            )
+
+
 def check_group_result(msg: GroupResult, limits: Limits, group_size: int) -> None:
     """Validate a columnar group: one cheap combined test per step header (the broker's
     hot path; the exact reason only when it fails), then one vectorised pass over each of
@@ -90,6 +104,9 @@ def check_group_result(msg: GroupResult, limits: Limits, group_size: int) -> Non
                 _fail(f"episode {i}: reward is not finite")
             if not (1 <= count <= max_steps):
                 _fail(f"episode {i}: {count} steps outside 1..{max_steps}")
+    for i, episode in enumerate(msg.episodes):
+        if episode.metrics:
+            _check_episode_metrics(i, episode.metrics)
     # one pass per field over every step header (cheaper than one branchy loop per step)
     headers = [h for e in msg.episodes for h in e.steps]
     pairs = {(h.agent, h.model) for h in headers}

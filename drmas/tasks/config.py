@@ -10,7 +10,8 @@ class TaskConfig:
     """Where prompts come from."""
 
     name: str = "arithmetic"
-    """arithmetic: synthetic a+b; jsonl/parquet: local files with question and answer."""
+    """arithmetic: synthetic a+b; kb: synthetic knowledge-base questions (search team);
+    jsonl/parquet: local files with question and answer(s)."""
     train_path: str = ""
     """jsonl/parquet: training file."""
     val_path: str = ""
@@ -27,5 +28,7 @@ class TaskConfig:
     """arithmetic: training tasks (one epoch)."""
     num_val: int = 64
     """arithmetic: held-out tasks."""
+    kb_num_people: int = 200
+    """kb: fictional people in the generated knowledge base (3 questions each)."""
     seed: int = 0
     """Shuffling and generation seed."""

@@ -5,9 +5,11 @@ order that is a pure function of (seed, e), so the cursor `(epoch, index)` is al
 needs to save to resume exactly after a restart. Tasks handed back (a dead actor's lease,
 a group dropped as stale) go to the front and are served before the cursor moves on.
 
-Task ids are `{name}:{split}:{i}` (name = `arithmetic` or the file's stem; i = position
-among the file's records or in the generated set), stable across runs and unique across
-the train and validation splits.
+Task ids are `{name}:{split}:{i}` (name = `arithmetic`, `kb` or the file's stem; i =
+position among the file's records or in the generated set), stable across runs and unique
+across the train and validation splits. A task with several gold answers (QA data: NQ's
+`golden_answers` list, the synthetic knowledge base's aliases) carries them all in
+`Task.answers`; `Task.answer` is the first.
 """
 
 from __future__ import annotations
@@ -113,6 +115,12 @@ def _build(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
             cfg.num_train, cfg.num_val, cfg.max_operand, cfg.num_ops, cfg.seed
         )
         return _arithmetic_tasks(train, "train"), _arithmetic_tasks(val, "val")
+    if cfg.name == "kb":
+        from drmas.tasks import kb
+
+        spec = kb.KBSpec(num_people=cfg.kb_num_people, seed=cfg.seed)
+        train_qa, val_qa = kb.tasks(spec, cfg.num_val)
+        return _kb_tasks(train_qa, "train"), _kb_tasks(val_qa, "val")
     if cfg.name in FILE_KINDS:
         if not cfg.train_path:
             raise ValueError(f"task.name={cfg.name} needs task.train_path")
@@ -120,13 +128,20 @@ def _build(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
         train_tasks = load_file(cfg.train_path, "train", *keys)
         val_tasks = load_file(cfg.val_path, "val", *keys) if cfg.val_path else []
         return train_tasks, val_tasks
-    raise ValueError(f"unknown task source {cfg.name!r}; choose arithmetic, jsonl or parquet")
+    raise ValueError(f"unknown task source {cfg.name!r}; choose arithmetic, kb, jsonl or parquet")
 
 
 def _arithmetic_tasks(problems: list[arithmetic.Problem], split: str) -> list[Task]:
     return [
         Task(f"arithmetic:{split}:{i}", p.question, p.answer, "arithmetic")
         for i, p in enumerate(problems)
+    ]
+
+
+def _kb_tasks(questions: list[Any], split: str) -> list[Task]:
+    return [
+        Task(f"kb:{split}:{i}", q.question, q.answers[0], "kb", list(q.answers))
+        for i, q in enumerate(questions)
     ]
 
 
@@ -152,6 +167,7 @@ def load_file(
             )
         raw_answer = _lookup(row, answer_key, path, where, "task.answer_key")
         answer = normalise_answer(raw_answer)
+        answers = all_answers(raw_answer)
         if not answer:
             raise TaskFileError(
                 f"{path} {where}: answer {answer_key!r} must be a non-empty string, a number "
@@ -160,7 +176,15 @@ def load_file(
         source = row.get("data_source", row.get("source"))
         if not isinstance(source, str) or not source:
             source = path.stem
-        tasks.append(Task(f"{path.stem}:{split}:{i}", question, answer, source))
+        tasks.append(
+            Task(
+                f"{path.stem}:{split}:{i}",
+                question,
+                answer,
+                source,
+                answers if len(answers) > 1 else [],
+            )
+        )
     if not tasks:
         raise TaskFileError(f"task file {path} holds no tasks")
     return tasks
@@ -185,6 +209,15 @@ def normalise_answer(value: object) -> str | None:
     if hasattr(value, "tolist"):
         return normalise_answer(value.tolist())
     return None
+
+
+def all_answers(value: object) -> list[str]:
+    """Every gold answer of a list-valued answer (QA data lists aliases), each as
+    `normalise_answer` prints it; empty or unusable entries are skipped."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [a for item in items if (a := normalise_answer(item))]
 
 
 def _lookup(row: Mapping[str, Any], key: str, path: Path, where: str, option: str) -> Any:

@@ -215,3 +215,45 @@ def test_a_step_line_is_written_once_even_when_parts_of_it_come_late():
     metrics.report(2, "m", "publish", {"weight_sync_s/m": 0.3}, {})
     metrics.close({})
     assert [x["step"] for x in sink.lines] == [1]
+
+
+def test_episode_metrics_become_rollout_means_per_line_and_val_means_per_round():
+    from drmas.broker.evaluation import EvalRound
+    from drmas.broker.metrics import StepMetrics
+    from drmas.protocol.messages import EpisodeHeader, Task
+
+    class ListSink:
+        def __init__(self):
+            self.lines = []
+
+        def write(self, record):
+            self.lines.append(record)
+
+        def close(self):
+            pass
+
+    sink = ListSink()
+    metrics = StepMetrics(sink, ["m"])  # type: ignore[arg-type]
+    metrics.count_episodes(
+        [
+            EpisodeHeader([], 1.0, {"search_calls": 2.0, "em": 1.0}),
+            EpisodeHeader([], 0.0, {"search_calls": 1.0, "em": 0.0}),
+            EpisodeHeader([], 0.0),  # a workflow without metrics still counts its reward
+        ]
+    )
+    metrics.report(1, "m", "step", {}, {})
+    metrics.report(1, "m", "publish", {}, {})
+    metrics.report(2, "m", "step", {}, {})
+    metrics.report(2, "m", "publish", {}, {})
+    first, second = sink.lines
+    assert first["rollout/search_calls"] == 1.5 and first["rollout/em"] == 0.5
+    assert first["rollout/reward"] == pytest.approx(1 / 3)
+    assert not any(k.startswith("rollout/") for k in second)  # nothing accepted since
+
+    rnd = EvalRound(step=0, tasks=[Task("a", "q", "x"), Task("b", "q", "y")], n=2, k=2)
+    rnd.record(Task("a", "q", "x"), [1.0, 0.0], [{"f1": 1.0}, {"f1": 0.5}])
+    rnd.record(Task("a", "q", "x"), [0.0, 0.0], [{"f1": 0.0}, {"f1": 0.0}])  # duplicate: kept first
+    assert not rnd.complete
+    rnd.record(Task("b", "q", "y"), [0.0, 0.0], [{"f1": 0.0}, {"f1": 0.5}])
+    out = rnd.metrics()
+    assert out["val/f1"] == 0.5 and out["val/avg@2"] == 0.25 and out["val/pass@2"] == 0.5

@@ -510,3 +510,16 @@ def test_shared_vocabulary_groups_are_checked_in_one_pass() -> None:
             1,
             match=r"step 1: response token id outside the vocabulary of 'big'",
         )
+
+
+def test_episode_metrics_travel_with_the_group_and_are_checked() -> None:
+    episodes = [m.Episode([_step()], 1.0, {"em": 1.0, "search_calls": 2.0})]
+    group = decode_to_broker(encode(_group(episodes)))
+    assert isinstance(group, m.GroupResult)
+    assert group.episodes[0].metrics == {"em": 1.0, "search_calls": 2.0}
+    assert group.unpack()[0].metrics == {"em": 1.0, "search_calls": 2.0}
+    check_group_result(group, LIMITS, 1)
+    bad = [m.Episode([_step()], 1.0, {"f1": math.inf})]
+    _invalid(check_group_result, _group(bad), LIMITS, 1, match=r"metric 'f1'=inf")
+    many = [m.Episode([_step()], 1.0, {f"x{i}": 0.0 for i in range(33)})]
+    _invalid(check_group_result, _group(many), LIMITS, 1, match=r"33 metrics")
