@@ -5,6 +5,7 @@
     drmas broker  [overrides] [--config F]    the coordinator (one per run)
     drmas actor   [overrides] [--config F]    a rollout actor; attach more at any time
     drmas learner --model M [overrides]       one learner rank (under torchrun for R > 1)
+    drmas retriever [overrides]               serve retriever.name (bm25/dense) over HTTP
     drmas status  ADDRESS [--json] [--keys D] what is attached to a running broker
     drmas keys    DIR [--clients a,b]         CURVE key pairs for broker and clients
 
@@ -43,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     actor.add_argument("--id", default="", help="actor id (default actor-HOST-PID)")
     learner = role("learner", "run one learner rank (RANK/WORLD_SIZE/MASTER_* from torchrun)")
     learner.add_argument("--model", required=True, help="which model this learner group trains")
+    role("retriever", "serve a bm25 or dense index over HTTP (Search-R1's /retrieve API)")
     status = sub.add_parser("status", help="show actors, versions and counters of a running broker")
     status.add_argument("address", help="broker address, e.g. tcp://127.0.0.1:5555")
     status.add_argument("--json", action="store_true", help="print JSON")
@@ -174,6 +176,10 @@ def _run_role(args: argparse.Namespace, cfg: DrmasConfig) -> int:
             os.environ["MASTER_PORT"] = str(cfg.learner.master_port or free_port())
         run_learner(cfg, args.model, rank, world)
         return 0
+    if args.command == "retriever":
+        from drmas.retrieval.server import run_retriever
+
+        return run_retriever(cfg)
     raise AssertionError(args.command)
 
 

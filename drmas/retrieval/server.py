@@ -1,0 +1,182 @@
+"""`drmas retriever`: a bm25 or dense index served over HTTP in Search-R1's API, so many
+actors (on many nodes) share one index instead of each loading its own.
+
+    POST /retrieve  {"queries": [...], "topk": k, "return_scores": bool}  -> {"result": [...]}
+    GET  /health    -> {"status": "ok", "retriever": "..."}
+
+One thread per connection (stdlib ThreadingHTTPServer); the index is not known to be
+thread-safe, so the searches themselves run one request at a time under a lock (an
+actor already sends a turn's queries as one batch). Bad requests get 400 with
+{"error": ...}; a failing search 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from drmas.retrieval.corpus import Passage, format_contents
+
+if TYPE_CHECKING:
+    from drmas.launch.config import DrmasConfig
+    from drmas.retrieval import Retriever
+
+log = logging.getLogger("drmas.retrieval")
+
+MAX_BODY_BYTES = 8 << 20
+"""Larger request bodies are refused (400) before reading."""
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def make_server(
+    retriever: Retriever, host: str, port: int, top_k_default: int
+) -> ThreadingHTTPServer:
+    """A bound server (port 0 = any free port: read it from `server.server_address`);
+    call `serve_forever()` to answer."""
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            if self.path.rstrip("/") == "/health":
+                self._reply(200, {"status": "ok", "retriever": repr(retriever)})
+            else:
+                self._reply(404, {"error": f"no such path {self.path!r}; try POST /retrieve"})
+
+        def do_POST(self) -> None:
+            if self.path.rstrip("/") != "/retrieve":
+                self._reply(404, {"error": f"no such path {self.path!r}; try POST /retrieve"})
+                return
+            try:
+                queries, top_k, with_scores = _parse(self._body(), top_k_default)
+            except BadRequest as exc:
+                self._reply(400, {"error": str(exc)})
+                return
+            try:
+                with lock:
+                    results = retriever.search(queries, top_k)
+            except Exception as exc:
+                log.exception("search of %d queries failed", len(queries))
+                self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
+                return
+            self._reply(200, {"result": [_render(hits, with_scores) for hits in results]})
+
+        def _body(self) -> bytes:
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                raise BadRequest("a Content-Length header is required") from None
+            if not 0 <= length <= MAX_BODY_BYTES:
+                self.close_connection = True
+                raise BadRequest(f"body of {length} bytes (at most {MAX_BODY_BYTES})")
+            return self.rfile.read(length)
+
+        def _reply(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("%s " + format, self.address_string(), *args)
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+def _parse(body: bytes, top_k_default: int) -> tuple[list[str], int, bool]:
+    try:
+        request = json.loads(body)
+    except ValueError as exc:
+        raise BadRequest(f"body is not JSON: {exc}") from None
+    if not isinstance(request, dict):
+        raise BadRequest("body must be a JSON object with 'queries'")
+    queries = request.get("queries")
+    if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+        raise BadRequest("'queries' must be a list of strings")
+    top_k = request.get("topk") or top_k_default
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise BadRequest(f"'topk' must be a positive integer, got {top_k!r}")
+    with_scores = request.get("return_scores", False)
+    if not isinstance(with_scores, bool):
+        raise BadRequest(f"'return_scores' must be true or false, got {with_scores!r}")
+    return queries, top_k, with_scores
+
+
+def _render(hits: list[Passage], with_scores: bool) -> list[dict[str, Any]]:
+    docs = [
+        {"id": p.id, "contents": format_contents(p.title, p.text), "title": p.title, "text": p.text}
+        for p in hits
+    ]
+    if not with_scores:
+        return docs
+    return [{"document": d, "score": p.score} for d, p in zip(docs, hits, strict=True)]
+
+
+def serve(retriever: Retriever, host: str, port: int, top_k_default: int) -> None:
+    """Answer until SIGTERM or SIGINT, then stop accepting, close the retriever and return.
+    Prints the URL on stdout once it accepts connections."""
+    server = make_server(retriever, host, port, top_k_default)
+    bound_host, bound_port = server.server_address[:2]
+    url = f"http://{bound_host!s}:{bound_port}"
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    thread = threading.Thread(target=server.serve_forever, name="retriever-http", daemon=True)
+    thread.start()
+    try:
+        log.info("serving %r at %s (POST /retrieve, GET /health)", retriever, url)
+        print(url, flush=True)
+        while not stop.wait(1.0) and thread.is_alive():
+            pass
+    finally:
+        server.shutdown()
+        server.server_close()
+        retriever.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("retriever at %s stopped", url)
+
+
+def run_retriever(cfg: DrmasConfig) -> int:
+    """The `drmas retriever` role: resolve the corpus, build (or load) the index, serve."""
+    from drmas.retrieval import build_retriever, resolve_corpus_path
+
+    rc = cfg.retriever
+    if rc.name not in ("bm25", "dense"):
+        print(
+            f"drmas retriever: retriever.name={rc.name} cannot be served; set "
+            "retriever.name=bm25 or retriever.name=dense (http is the client of a server)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        corpus = resolve_corpus_path(rc, cfg.task, cfg.run.cache_dir or None)
+        retriever = build_retriever(rc, corpus)
+    except (FileNotFoundError, ValueError, ImportError) as exc:  # CorpusError is a ValueError
+        print(f"drmas retriever: {exc}", file=sys.stderr)
+        return 2
+    try:
+        serve(retriever, rc.host, rc.port, rc.top_k)
+    except OSError as exc:  # the port is taken, or the host is not this machine's
+        print(
+            f"drmas retriever: cannot listen on {rc.host}:{rc.port} ({exc}); set "
+            "retriever.host / retriever.port",
+            file=sys.stderr,
+        )
+        retriever.close()
+        return 2
+    return 0
