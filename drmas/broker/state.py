@@ -160,8 +160,16 @@ class BrokerState:
             self.eval_queue.appendleft((task, eval_round))
 
     # ---------------------------------------------------------------- leases
+    def _training(self) -> list[ModelBuffer]:
+        """Buffers of models that still have batches to cut. A model whose agents are not
+        called in every episode (the search team's Search Agent) fills its batches more
+        slowly than the others; once those have cut all train.steps batches, their buffers
+        must stop counting, or admission would starve the slow model."""
+        steps = self.cfg.train.steps
+        return [b for b in self.buffers.values() if b.batches_cut < steps]
+
     def _buffered(self) -> int:
-        return max(len(b.slices) for b in self.buffers.values())
+        return max((len(b.slices) for b in self._training()), default=0)
 
     def _groups_needed(self) -> int:
         steps, B = self.cfg.train.steps, self.cfg.batch_groups
@@ -180,7 +188,8 @@ class BrokerState:
             return (
                 f"admission control: {inflight} in flight + {self._buffered()} buffered >= (η+1)·B"
             )
-        for m, buf in self.buffers.items():
+        for buf in self._training():
+            m = buf.model
             target = buf.batches_cut + (inflight + len(buf.slices)) // B
             held = actor.versions.get(m, 0)
             if held < target - eta:
@@ -279,7 +288,11 @@ class BrokerState:
             self.cfg.algorithm.invalid_action_penalty,
         )
         for model, part in slices.items():
-            self.buffers[model].add(part)
+            buf = self.buffers[model]
+            if buf.batches_cut >= self.cfg.train.steps:
+                self.counters[f"slices_after_last_batch/{model}"] += 1  # not needed any more
+                continue
+            buf.add(part)
         return ""
 
     # --------------------------------------------------------------- batches

@@ -42,6 +42,10 @@ def _fmt(line: dict[str, Any], agents: list[str], steps: int) -> str:
     for agent in agents:
         if f"reward/{agent}/mean" in line:
             parts.append(f"{agent} reward {line[f'reward/{agent}/mean']:.3f}")
+    shown = {"em": "EM", "search_calls": "searches", "turns": "turns"}
+    for key, label in shown.items():
+        if f"rollout/{key}" in line:
+            parts.append(f"{label} {line[f'rollout/{key}']:.2f}")
     grads = [
         f"{k.split('/', 1)[1]}={v:.2f}"
         for k, v in sorted(line.items())

@@ -257,3 +257,37 @@ def test_episode_metrics_become_rollout_means_per_line_and_val_means_per_round()
     rnd.record(Task("b", "q", "y"), [0.0, 0.0], [{"f1": 0.0}, {"f1": 0.5}])
     out = rnd.metrics()
     assert out["val/f1"] == 0.5 and out["val/avg@2"] == 0.25 and out["val/pass@2"] == 0.5
+
+
+def test_a_model_called_in_few_episodes_still_gets_all_its_batches():
+    """The search team's Search Agent is skipped when the Verifier approves at once: its
+    model's batches fill more slowly. The models that finish first must not keep counting
+    against admission control, or the slow one would starve (a deadlock)."""
+    st = make_state("experiment=search_tiny", "algorithm.max_staleness=1")
+    models = ["answerer", "searcher", "verifier"]
+    st.add_actor("a", "h", 1, models, 0.0)
+    versions = dict.fromkeys(models, 0)
+    groups = 0
+    for _ in range(200):
+        for lease in st.lease("a", 4, dict(versions), 0.0).leases:
+            groups += 1
+            agents = (
+                ["verifier", "searcher", "answerer"]
+                if groups % 4 == 0
+                else ["verifier", "answerer"]
+            )
+            episodes = [Episode([step(a, versions[a]) for a in agents], r) for r in (1.0, 0.0)]
+            assert (
+                st.accept("a", pack_group("a", lease.lease_id, lease.group_id, episodes), 0.0) == ""
+            )
+        for m in models:
+            reply = st.batch(m, 0, 1, versions[m])
+            if not isinstance(reply, NoBatch):
+                versions[m] += 1
+                st.step_report(m, versions[m], {})
+        if st.train_done:
+            break
+    assert st.train_done, (versions, st.counters)
+    assert versions == dict.fromkeys(models, 3)
+    assert st.counters["groups_trained_twice"] == 0
+    assert st.counters["slices_after_last_batch/verifier"] > 0  # groups only the searcher needed
