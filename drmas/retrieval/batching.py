@@ -45,7 +45,7 @@ class BatchingRetriever:
         future: asyncio.Future[list[Passage]] = loop.create_future()
         self._queue.append((query, future))
         self.calls += 1
-        if self._drain is None or self._drain.done():
+        if self._drain is None or self._drain.done() or self._drain.get_loop() is not loop:
             self._drain = loop.create_task(self._run(), name="retrieval-batches")
         try:
             return await asyncio.wait_for(future, self.timeout_s)
