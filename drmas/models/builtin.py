@@ -2,9 +2,10 @@
 
 `builtin:tiny-qwen2` is a character-level Qwen2 (~0.8 M parameters) that runs the whole
 system on a laptop CPU. An untrained model never writes a parseable `\\boxed{}` answer, so
-RL would see reward 0 everywhere and learn nothing; the warm start teaches it the plain
-math-team transcript format on generated arithmetic until the Solver is right about half
-the time (REFERENCE.md, calibration).
+RL would see reward 0 everywhere and learn nothing; the warm start (warmstart.py) teaches
+it one team's plain transcript format: the math team's on generated arithmetic
+(math_transcripts.py) or the search team's on a synthetic knowledge base
+(search_transcripts.py), chosen by `WarmStartConfig.workflow`.
 
 The folder is an ordinary checkpoint (config.json, model.safetensors, generation_config.json,
 tokenizer.json, tokenizer_config.json, special_tokens_map.json), so every engine and learner
@@ -16,33 +17,38 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import inspect
 import json
 import logging
 import os
-import random
 import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from drmas.actors.workflows.math_prompts import (
-    SOLVER,
-    TINY_INSTRUCTIONS,
-    VERIFIER,
-    parse_boxed,
-    plain_prompt,
-    solver_response,
-    verifier_response,
-)
+from drmas.actors.workflows.math_prompts import SOLVER, VERIFIER, plain_prompt, solver_response
+from drmas.models import math_transcripts, search_transcripts
 from drmas.models.config import WarmStartConfig
 
+# Re-exported: tests and benchmarks import the math warm start's pieces from here.
+from drmas.models.math_transcripts import (  # noqa: F401
+    ARITHMETIC,
+    ArithmeticSpec,
+    arithmetic_question,
+    solver_accuracy,
+    transcript,
+)
+from drmas.models.warmstart import (  # noqa: F401
+    TranscriptSource,
+    response_loss,
+    transcript_batch,
+    warm_start,
+)
+
 if TYPE_CHECKING:
-    import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 log = logging.getLogger("drmas.models")
 
@@ -79,34 +85,11 @@ whose agents run models of different sizes, e.g. a larger Verifier)."""
 
 ARCHITECTURES = {"tiny-qwen2": TINY_QWEN2, "small-qwen2": SMALL_QWEN2}
 
-
-@dataclass(frozen=True)
-class ArithmeticSpec:
-    """Questions of the warm start; matches the arithmetic task source's defaults."""
-
-    max_operand: int = 19
-    """Operands drawn from 0..max_operand."""
-    ops: str = "+-"
-    """Operations to draw from (one per question)."""
-    max_wrong_offset: int = 3
-    """A wrong Solver answer is off by 1..max_wrong_offset."""
-    verifier_label_noise: float = 0.2
-    """Fraction of Verifier transcripts whose verdict is flipped (an imperfect verifier)."""
-    verifier_correct_frac: float = 0.7
-    """Fraction of Verifier transcripts whose Solver answer is right. A balanced mix left
-    the tiny Verifier at chance but nearly always saying "no" (entropy ~0.06), so correct
-    first answers were thrown away and RL had no verdict to explore; like the Solver it
-    judges, the warm-started Verifier should lean to approval and keep some doubt."""
-    kind_weights: tuple[float, float, float] = (0.9, 0.05, 0.05)
-    """Mix of transcript kinds: Solver first turn, Verifier, Solver after a rejection. The
-    two later kinds are 2-3x longer; a few percent teaches their format, and more of them
-    (within the same build time) costs Solver accuracy without making the tiny Verifier
-    judge better than chance: RL is left to improve it."""
-    seed: int = 0
-    """Data and initialisation seed."""
-
-
-ARITHMETIC = ArithmeticSpec()
+WARM_STARTS: dict[str, TranscriptSource] = {
+    "math": math_transcripts.SOURCE,
+    "search": search_transcripts.SOURCE,
+}
+"""WarmStartConfig.workflow -> the team whose transcripts the warm start trains on."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,8 +129,8 @@ def cache_key(name: str, warmstart: WarmStartConfig) -> str:
         "special_tokens": SPECIAL_TOKENS,
         "alphabet": ALPHABET,
         "warmstart": asdict(warmstart),
-        "arithmetic": asdict(ARITHMETIC),
-        "instructions": TINY_INSTRUCTIONS,
+        "transcripts": asdict(WARM_STARTS[warmstart.workflow].spec),
+        "instructions": WARM_STARTS[warmstart.workflow].instructions,
         "builder_version": BUILDER_VERSION,
     }
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
@@ -288,14 +271,15 @@ def build_qwen2(folder: Path, warmstart: WarmStartConfig, architecture: dict[str
     # Train on exactly what engines and learners will load.
     tokenizer = AutoTokenizer.from_pretrained(folder)
     _check_char_level(tokenizer)
+    source = WARM_STARTS[warmstart.workflow]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng():
-            torch.manual_seed(ARITHMETIC.seed)
+            torch.manual_seed(source.seed)
             model = Qwen2ForCausalLM(config).float()
             if warmstart.steps > 0:
-                warm_start(model, tokenizer, warmstart, ARITHMETIC)
+                warm_start(model, tokenizer, warmstart, source)
     finally:
         torch.set_num_threads(threads)
     model.generation_config = GenerationConfig(
@@ -305,190 +289,3 @@ def build_qwen2(folder: Path, warmstart: WarmStartConfig, architecture: dict[str
 
 
 BUILTINS = {"tiny-qwen2": build_tiny_qwen2, "small-qwen2": build_small_qwen2}
-
-
-# ---------------------------------------------------------------------------------------
-# Warm start: supervised training on generated math-team transcripts
-
-
-def arithmetic_question(rng: random.Random, spec: ArithmeticSpec) -> tuple[str, str]:
-    """(question, gold answer) written as the arithmetic task source writes them: `12+7`."""
-    a = rng.randint(0, spec.max_operand)
-    b = rng.randint(0, spec.max_operand)
-    op = rng.choice(spec.ops)
-    return f"{a}{op}{b}", str(a + b if op == "+" else a - b)
-
-
-def _wrong(rng: random.Random, gold: str, spec: ArithmeticSpec) -> str:
-    offset = rng.randint(1, spec.max_wrong_offset) * rng.choice((-1, 1))
-    return str(int(gold) + offset)
-
-
-def transcript(rng: random.Random, spec: ArithmeticSpec, kind: int) -> tuple[str, str]:
-    """(prompt, response) of one agent call in the plain tiny-instruction format; kind 0:
-    Solver first turn, 1: Verifier, 2: Solver after a rejection."""
-    question, gold = arithmetic_question(rng, spec)
-    if kind == 0:  # Solver, first turn
-        return plain_prompt(SOLVER, question, [], TINY_INSTRUCTIONS[SOLVER]), solver_response(gold)
-    if kind == 1:  # Verifier judging one Solver answer (half right), with label noise
-        correct = rng.random() < spec.verifier_correct_frac
-        answer = gold if correct else _wrong(rng, gold, spec)
-        verdict = correct != (rng.random() < spec.verifier_label_noise)
-        turns = [(SOLVER, solver_response(answer))]
-        prompt = plain_prompt(VERIFIER, question, turns, TINY_INSTRUCTIONS[VERIFIER])
-        return prompt, verifier_response(verdict)
-    # Solver after the Verifier rejected a wrong answer
-    turns = [
-        (SOLVER, solver_response(_wrong(rng, gold, spec))),
-        (VERIFIER, verifier_response(False)),
-    ]
-    return plain_prompt(SOLVER, question, turns, TINY_INSTRUCTIONS[SOLVER]), solver_response(gold)
-
-
-def transcript_batch(
-    tokenizer: PreTrainedTokenizerBase, pairs: list[tuple[str, str]]
-) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """(shared prefix ids, right-padded suffix ids, suffix labels).
-
-    The prefix is what every prompt of the batch starts with ("Solve.\nQuestion: "); the
-    labels are -100 except on the response tokens and the closing EOS. Right padding needs
-    no attention mask: under the causal mask no real token sees the pads after it."""
-    import torch
-
-    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False).input_ids
-    responses = tokenizer([r for _, r in pairs], add_special_tokens=False).input_ids
-    # Keep at least one prompt token per row: it predicts the first response token.
-    limit, shared = min(map(len, prompts)) - 1, 0
-    while shared < limit and all(p[shared] == prompts[0][shared] for p in prompts):
-        shared += 1
-    rows = [p[shared:] + r + [tokenizer.eos_token_id] for p, r in zip(prompts, responses)]
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (prompt, row) in enumerate(zip(prompts, rows)):
-        ids[i, : len(row)] = torch.tensor(row)
-        first = len(prompt) - shared
-        labels[i, first : len(row)] = ids[i, first : len(row)]
-    return prompts[0][:shared], ids, labels
-
-
-def response_loss(
-    model: PreTrainedModel, prefix: list[int], ids: torch.Tensor, labels: torch.Tensor
-) -> torch.Tensor:
-    """Mean cross-entropy on the labelled tokens. The shared prefix runs once and its KV
-    cache is broadcast over the batch (gradients flow through it): a third less compute
-    for the short Solver transcripts."""
-    import torch
-    import torch.nn.functional as F
-    from transformers import DynamicCache
-
-    batch, width = ids.shape
-    cache = None
-    if prefix:
-        cache = DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([prefix]), use_cache=True, **{_cache_kwarg(model): cache})
-        layers: list[Any] = list(cache.layers)
-        for layer in layers:
-            layer.keys = layer.keys.expand(batch, -1, -1, -1)
-            layer.values = layer.values.expand(batch, -1, -1, -1)
-    positions = torch.arange(len(prefix), len(prefix) + width).expand(batch, -1)
-    logits = model(
-        input_ids=ids,
-        position_ids=positions,
-        use_cache=cache is not None,
-        **{_cache_kwarg(model): cache},
-    ).logits[:, :-1]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-
-
-def _cache_kwarg(model: PreTrainedModel) -> str:
-    """transformers 5 renames `past_key_values` to `cache`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def warm_start(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    cfg: WarmStartConfig,
-    spec: ArithmeticSpec,
-) -> None:
-    """AdamW on response tokens only; short warm-up, then linear decay to zero.
-
-    Small batches and many steps: the model has to memorise most of the 800 sums and
-    differences, and that depends on the number of updates more than on the number of
-    transcripts (batch 8 x 2000 steps reaches ~85 % greedy where 32 x 800 reaches ~40 %
-    in the same time). Weight decay and the final low-lr phase are what make the
-    accuracy jump late in training."""
-    import torch
-
-    rng = random.Random(spec.seed)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.98)
-    )
-    warmup = max(1, min(20, cfg.steps // 10))
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return cfg.lr * (step + 1) / warmup
-        return cfg.lr * (cfg.steps - step) / (cfg.steps - warmup)
-
-    model.train()
-    start = time.perf_counter()
-    for step in range(cfg.steps):
-        # One kind per batch: the kinds differ in length by 2x, so mixing them would mostly
-        # pay for padding.
-        kind = rng.choices(range(3), weights=spec.kind_weights)[0]
-        pairs = [transcript(rng, spec, kind) for _ in range(cfg.batch_size)]
-        loss = response_loss(model, *transcript_batch(tokenizer, pairs))
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if step % max(1, cfg.steps // 10) == 0 or step == cfg.steps - 1:
-            log.info(
-                "warm start step %d/%d loss %.4f (%.1f s)",
-                step + 1,
-                cfg.steps,
-                loss.item(),
-                time.perf_counter() - start,
-            )
-    model.eval()
-    eval_rng = random.Random(spec.seed + 1)
-    questions = [arithmetic_question(eval_rng, spec) for _ in range(128)]
-    greedy = solver_accuracy(model, tokenizer, questions, temperature=0.0)
-    sampled = solver_accuracy(model, tokenizer, questions, temperature=1.0)
-    log.info("warm start done: solver accuracy greedy %.2f, temperature 1 %.2f", greedy, sampled)
-
-
-def solver_accuracy(
-    model: Any,
-    tokenizer: PreTrainedTokenizerBase,
-    questions: list[tuple[str, str]],
-    temperature: float,
-    seed: int = 0,
-    max_new_tokens: int = 16,
-) -> float:
-    """Fraction of first-turn Solver answers whose `\\boxed{}` equals the gold answer."""
-    import torch
-
-    prompts = [plain_prompt(SOLVER, q, [], TINY_INSTRUCTIONS[SOLVER]) for q, _ in questions]
-    batch = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
-    sampling: dict[str, Any] = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        if temperature > 0
-        else {"do_sample": False}
-    )
-    with torch.random.fork_rng(), torch.inference_mode():
-        torch.manual_seed(seed)
-        out = model.generate(
-            **batch,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **sampling,
-        )
-    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    right = sum(parse_boxed(text) == gold for text, (_, gold) in zip(texts, questions))
-    return right / len(questions)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+WARMSTART_WORKFLOWS = ("math", "search")
+
 
 @dataclass
 class WarmStartConfig:
@@ -15,6 +17,15 @@ class WarmStartConfig:
     """Transcripts per step."""
     lr: float = 1.5e-3
     """AdamW learning rate of the warm start."""
+    workflow: str = "math"
+    """Which team's transcripts it trains on: math | search (the defaults above are
+    math's; a search run sets its own steps, batch_size and lr)."""
+
+    def __post_init__(self) -> None:
+        if self.workflow not in WARMSTART_WORKFLOWS:
+            raise ValueError(
+                f"warmstart.workflow={self.workflow!r}: expected one of {WARMSTART_WORKFLOWS}"
+            )
 
 
 @dataclass

@@ -1,0 +1,338 @@
+"""Search-team warm-start transcripts: episodes over a synthetic knowledge base.
+
+The tiny model has to start RL able to write `<verify>`, `<search>` and `<answer>` and to
+copy names from the question and the `Info:` lines, or every episode earns reward 0. The
+transcripts come from a knowledge base with a different seed than the RL task's (other
+people, cities and countries), so what carries over is the format and copying, not the
+facts RL asks about. Each transcript is one agent call of an episode as the search
+workflow runs it (T = 3: Verifier and Search Agent on turns 1-2, forced answer on turn 3),
+with the workflow's own prompt helpers, so the text is byte-identical to what the model
+sees in RL. Retrieval is simulated the way bm25 over the corpus ranks: an exact entity
+name brings its own passages first, then passages sharing a name token.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from dataclasses import dataclass, field, replace
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+from drmas.actors.workflows.search_prompts import (
+    ANSWERER,
+    INFO,
+    SEARCHER,
+    TINY_INSTRUCTIONS,
+    VERIFIER,
+    answer_response,
+    parse_answer,
+    parse_search,
+    parse_verdict,
+    plain_prompt,
+    render_passages,
+    search_response,
+    verifier_response,
+)
+from drmas.models.warmstart import Pairs, TranscriptSource, generate
+from drmas.retrieval.corpus import Passage
+from drmas.tasks import kb as kbmod
+from drmas.tasks.kb import QA, KBSpec, KnowledgeBase, Person
+from drmas.tasks.qa import exact_match
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("drmas.models")
+
+# Transcript kinds: one agent call at one point of an episode.
+VERIFY_FIRST = 0
+"""Verifier, nothing gathered yet -> no."""
+SEARCH_NAME = 1
+"""Search Agent's first query -> the person's name from the question."""
+VERIFY_ONE = 2
+"""Verifier after one search -> yes for one-hop questions (the Info holds the answer), no
+for two-hop ones."""
+ANSWER_ONE = 3
+"""Answer Agent after the Verifier's yes on a one-hop question -> copies the answer."""
+SEARCH_CITY = 4
+"""Search Agent after one search on a two-hop question -> the city named in the Info."""
+ANSWER_LAST = 5
+"""Answer Agent forced on the last turn after two searches -> the answer when an Info line
+holds it, else a plausible entity of the right type from the Info."""
+COPY_DRILL = 6
+"""Not an agent call: random passages, then the same passages again (loss on the repeat).
+Every repeated character is a copy target, so the model learns to copy (which all the
+agents need) from ~10x more targets per step than the agent transcripts give."""
+KINDS = (VERIFY_FIRST, SEARCH_NAME, VERIFY_ONE, ANSWER_ONE, SEARCH_CITY, ANSWER_LAST)
+KIND_AGENT = {
+    VERIFY_FIRST: VERIFIER,
+    SEARCH_NAME: SEARCHER,
+    VERIFY_ONE: VERIFIER,
+    ANSWER_ONE: ANSWERER,
+    SEARCH_CITY: SEARCHER,
+    ANSWER_LAST: ANSWERER,
+}
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    """What the search warm start trains on."""
+
+    kb: KBSpec = field(default_factory=lambda: KBSpec(num_people=5000, seed=1000))
+    """Knowledge base of the transcripts: not the RL task's (seed 0), and large enough
+    that its facts cannot be memorised in the warm start's steps."""
+    top_k: int = 3
+    """Passages per simulated search (retriever.top_k of search_tiny)."""
+    kind_weights: tuple[float, ...] = (0.05, 0.15, 0.1, 0.15, 0.15, 0.15, 0.25)
+    """Mix of the kinds VERIFY_FIRST .. ANSWER_LAST, then COPY_DRILL (one kind per batch:
+    their lengths differ by 3x). Copying names (from the question, out of a passage) is
+    what takes steps; the verdicts mostly follow the question's wording and the number of
+    searches, and are learnt in a few hundred steps."""
+    verifier_label_noise: float = 0.1
+    """Fraction of Verifier transcripts whose verdict is flipped, so RL still has verdicts
+    to explore (and the other agents see the states a wrong verdict leads to)."""
+    off_query_frac: float = 0.15
+    """Fraction of ANSWER_LAST transcripts whose second query was not the right city (a
+    namesake's city or the name again), so the forced answer is not always in the Info."""
+    country_frac: float = 0.6
+    """Fraction of ANSWER_LAST transcripts on two-hop questions (the rest are one-hop
+    questions whose Verifier wrongly asked for a second search)."""
+    seed: int = 0
+    """Seed of the transcript stream and of the model's initialisation."""
+
+
+SEARCH = SearchSpec()
+
+_WORD = re.compile(r"[a-z0-9]+")
+_BORN = re.compile(r"was born in (\w+)\.")
+_JOB = re.compile(r"works as a (\w+)\.")
+_COUNTRY = re.compile(r"is a city in (\w+)\.")
+_PLAUSIBLE = {"born": _BORN, "job": _JOB, "country": _COUNTRY}
+
+
+class SimRetriever:
+    """bm25-like ranking over a knowledge base's corpus: passages titled exactly the query
+    first (in random order), then by the number of query words they share (ties random),
+    then random passages to fill top_k (bm25s always returns k). Words as bm25 tokenises
+    them: lower case, 2+ characters, stopwords dropped."""
+
+    def __init__(self, kb: KnowledgeBase, top_k: int) -> None:
+        self.kb, self.top_k = kb, top_k
+        self.passages = [Passage(p["id"], p["title"], p["text"]) for p in kb.passages]
+        self.by_title: dict[str, list[int]] = {}
+        self.by_word: dict[str, list[int]] = {}
+        for i, p in enumerate(self.passages):
+            self.by_title.setdefault(p.title.lower(), []).append(i)
+            for word in _words(f"{p.title} {p.text}"):
+                self.by_word.setdefault(word, []).append(i)
+
+    def search(self, query: str, rng: random.Random) -> list[Passage]:
+        exact = list(self.by_title.get(" ".join(query.lower().split()), []))
+        rng.shuffle(exact)
+        shared: dict[int, int] = {}
+        for word in _words(query):
+            for i in self.by_word.get(word, []):
+                shared[i] = shared.get(i, 0) + 1
+        others = sorted(
+            (i for i in shared if i not in exact), key=lambda i: (-shared[i], rng.random())
+        )
+        ranked = (exact + others)[: self.top_k]
+        while len(ranked) < min(self.top_k, len(self.passages)):
+            i = rng.randrange(len(self.passages))
+            if i not in ranked:
+                ranked.append(i)
+        return [self.passages[i] for i in ranked]
+
+
+def _words(text: str) -> set[str]:
+    return {w for w in _WORD.findall(text.lower()) if len(w) >= 2 and w not in kbmod.RESERVED}
+
+
+@cache
+def retriever_for(kb_spec: KBSpec, top_k: int) -> SimRetriever:
+    return SimRetriever(kbmod.build(kb_spec), top_k)
+
+
+def best_answer(qa: QA, infos: list[str]) -> str:
+    """What the Answer Agent should say: the gold answer when an Info line holds it, else
+    the first entity of the asked type in the Info (a wrong but well-formed guess), else
+    the first word of the last Info."""
+    text = " | ".join(infos)
+    gold = qa.answers[0]
+    if gold in _words_cased(text):
+        return gold
+    found = _PLAUSIBLE[qa.kind].findall(text) or _BORN.findall(text)
+    return found[0] if found else (text.split() or [gold])[0].strip(".|")
+
+
+def _words_cased(text: str) -> set[str]:
+    return set(re.findall(r"\w+", text))
+
+
+def transcript(
+    rng: random.Random, spec: SearchSpec, retriever: SimRetriever, kind: int
+) -> tuple[str, str]:
+    """(prompt, response) of one agent call of kind `kind` in the plain tiny format."""
+    kb = retriever.kb
+    person = rng.choice(kb.people)
+    born, job, country = kbmod.person_questions(person, kb.cities)
+    no, yes = (VERIFIER, verifier_response(False)), (VERIFIER, verifier_response(True))
+
+    def searched(query: str) -> list[tuple[str, str]]:
+        passages = retriever.search(query, rng)
+        return [(SEARCHER, search_response(query)), (INFO, render_passages(passages, "plain"))]
+
+    def verdict(enough: bool) -> str:
+        return verifier_response(enough != (rng.random() < spec.verifier_label_noise))
+
+    if kind == COPY_DRILL:
+        text = render_passages(rng.sample(retriever.passages, spec.top_k), "plain")
+        return f"Repeat.\n{text}\nAgain:", f" {text}"
+    if kind == VERIFY_FIRST:
+        qa, turns, response = rng.choice((born, job, country)), [], verdict(False)
+    elif kind == SEARCH_NAME:
+        qa, turns = rng.choice((born, job, country)), [no]
+        response = search_response(person.name)
+    elif kind == VERIFY_ONE:
+        qa = rng.choice((born, job, country))
+        turns = [no, *searched(person.name)]
+        response = verdict(qa.answers[0] in _words_cased(turns[-1][1]))
+    elif kind == ANSWER_ONE:
+        qa = rng.choice((born, job))
+        turns = [no, *searched(person.name), yes]
+        response = answer_response(best_answer(qa, [turns[2][1]]))
+    elif kind == SEARCH_CITY:
+        qa, turns = country, [no, *searched(person.name), no]
+        response = search_response(person.city)
+    elif kind == ANSWER_LAST:
+        qa = country if rng.random() < spec.country_frac else rng.choice((born, job))
+        query = person.city
+        if rng.random() < spec.off_query_frac:
+            query = rng.choice((person.name, _namesake(rng, kb, person).city))
+        turns = [no, *searched(person.name), no, *searched(query)]
+        response = answer_response(best_answer(qa, [turns[2][1], turns[5][1]]))
+    else:
+        raise ValueError(f"unknown search transcript kind {kind}")
+    prompt = plain_prompt(KIND_AGENT[kind], qa.question, turns, TINY_INSTRUCTIONS[KIND_AGENT[kind]])
+    return prompt, response
+
+
+def _namesake(rng: random.Random, kb: KnowledgeBase, person: Person) -> Person:
+    """Another person (sharing a name word when one does; the searcher's likely confusion)."""
+    first, last = person.name.split()
+    near = [p for p in kb.people if p is not person and (first in p.name or last in p.name)]
+    return rng.choice(near or kb.people)
+
+
+def draw(rng: random.Random, n: int, spec: SearchSpec = SEARCH) -> Pairs:
+    retriever = retriever_for(spec.kb, spec.top_k)
+    kind = rng.choices((*KINDS, COPY_DRILL), weights=spec.kind_weights)[0]
+    return [transcript(rng, spec, retriever, kind) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------
+# How good is the warm-started model (logged at the end of the build)
+
+EVAL_KB = KBSpec()
+"""The RL task's default knowledge base: facts the warm start never saw."""
+
+
+def role_accuracy(
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    kind: int,
+    temperature: float,
+    n: int = 64,
+    kb_spec: KBSpec = EVAL_KB,
+    seed: int = 0,
+) -> float:
+    """Fraction of `n` held-out transcripts of `kind` (no label noise) where the model's
+    parsed action equals the transcript's: verdict, query or answer."""
+    spec = replace(SEARCH, verifier_label_noise=0.0, off_query_frac=0.0)
+    retriever = retriever_for(kb_spec, spec.top_k)
+    rng = random.Random(seed)
+    pairs = [transcript(rng, spec, retriever, kind) for _ in range(n)]
+    texts = generate(model, tokenizer, [p for p, _ in pairs], temperature, seed, 32)
+    parse = {VERIFIER: parse_verdict, SEARCHER: parse_search, ANSWERER: parse_answer}
+    action = parse[KIND_AGENT[kind]]
+    return sum(action(t) == action(r) for t, (_, r) in zip(texts, pairs)) / n
+
+
+def episode_accuracy(
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    qas: list[QA],
+    temperature: float,
+    kb_spec: KBSpec = EVAL_KB,
+    max_turns: int = 3,
+    top_k: int = 3,
+    seed: int = 0,
+    max_new_tokens: int = 32,
+) -> float:
+    """Mean exact match of whole episodes, run as the search workflow runs them (same
+    routing, invalid actions continue) with every agent played by `model` and the
+    simulated retriever: an estimate of the reward RL starts from."""
+    retriever = retriever_for(kb_spec, top_k)
+    rng = random.Random(seed)
+    turns: list[list[tuple[str, str]]] = [[] for _ in qas]
+    answers: list[str | None] = [None] * len(qas)
+
+    def call(agent: str, which: list[int], call_seed: int) -> list[str]:
+        """One batched generation for the episodes `which`; appends each text to its
+        episode's context as the workflow does."""
+        if not which:
+            return []
+        prompts = [
+            plain_prompt(agent, qas[i].question, turns[i], TINY_INSTRUCTIONS[agent]) for i in which
+        ]
+        texts = generate(model, tokenizer, prompts, temperature, call_seed, max_new_tokens)
+        for i, text in zip(which, texts):
+            turns[i].append((agent, text))
+        return texts
+
+    active = list(range(len(qas)))
+    for turn in range(max_turns):
+        if turn == max_turns - 1:  # forced answer
+            for i, text in zip(active, call(ANSWERER, active, seed + 3 * turn)):
+                answers[i] = parse_answer(text)
+            break
+        verdicts = [parse_verdict(t) for t in call(VERIFIER, active, seed + 3 * turn + 1)]
+        done = [i for i, v in zip(active, verdicts) if v]
+        active = [i for i, v in zip(active, verdicts) if not v]  # no or invalid: search
+        for i, text in zip(done, call(ANSWERER, done, seed + 3 * turn + 2)):
+            answers[i] = parse_answer(text)
+        for i, text in zip(active, call(SEARCHER, active, seed + 3 * turn + 3)):
+            query = parse_search(text)
+            if query is not None:
+                turns[i].append((INFO, render_passages(retriever.search(query, rng), "plain")))
+        if not active:
+            break
+    return sum(exact_match(a, qa.answers) for a, qa in zip(answers, qas)) / len(qas)
+
+
+def report(model: Any, tokenizer: PreTrainedTokenizerBase) -> None:
+    names = ("verify0", "search1", "verify1", "answer1", "search2", "answer2")
+    for temperature in (0.0, 1.0):
+        roles = {
+            name: role_accuracy(model, tokenizer, kind, temperature)
+            for name, kind in zip(names, KINDS)
+        }
+        _, val = kbmod.tasks(EVAL_KB, 96)
+        em = episode_accuracy(model, tokenizer, val, temperature)
+        log.info(
+            "warm start done (temperature %g): %s, episode EM %.2f",
+            temperature,
+            ", ".join(f"{k} {v:.2f}" for k, v in roles.items()),
+            em,
+        )
+
+
+SOURCE = TranscriptSource(
+    seed=SEARCH.seed,
+    spec=SEARCH,
+    instructions=TINY_INSTRUCTIONS,
+    draw=draw,
+    report=report,
+)
