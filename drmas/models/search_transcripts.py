@@ -85,11 +85,14 @@ class SearchSpec:
     that its facts cannot be memorised in the warm start's steps."""
     top_k: int = 3
     """Passages per simulated search (retriever.top_k of search_tiny)."""
-    kind_weights: tuple[float, ...] = (0.05, 0.15, 0.1, 0.15, 0.15, 0.15, 0.25)
+    kind_weights: tuple[float, ...] = (0.04, 0.12, 0.08, 0.12, 0.12, 0.12, 0.4)
     """Mix of the kinds VERIFY_FIRST .. ANSWER_LAST, then COPY_DRILL (one kind per batch:
     their lengths differ by 3x). Copying names (from the question, out of a passage) is
     what takes steps; the verdicts mostly follow the question's wording and the number of
-    searches, and are learnt in a few hundred steps."""
+    searches, and are right ~97 % (greedy) after a few hundred steps. With 900 steps of
+    batch 8 at lr 5e-3 (~4 min on 2 cores) the tiny model still does not copy names:
+    agent kinds alone did not start copying in 700 steps, the drill brings its loss from
+    4.8 to ~0.3 nats/char in 500 steps, so it leads the mix."""
     verifier_label_noise: float = 0.1
     """Fraction of Verifier transcripts whose verdict is flipped, so RL still has verdicts
     to explore (and the other agents see the states a wrong verdict leads to)."""
