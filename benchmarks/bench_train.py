@@ -1,11 +1,16 @@
-"""The default `drmas train` on this machine: wall time, peak resident memory, learning.
+"""A `drmas train` run on this machine: wall time, peak resident memory, learning.
 
     python benchmarks/bench_train.py [--cache DIR] [--out benchmarks/results/default_train.json] [overrides...]
+    python benchmarks/bench_train.py --out benchmarks/results/search_tiny_agent.json experiment=search_tiny
 
-Runs the embedded default (the README's first command) as a child process, samples the
-resident memory of its whole process tree every 0.5 s, and reads the run's metrics to
-compare each agent's training reward in the first and last quarter of the steps.
-Targets (issue #2): <= 15 min wall and <= 6 GB total resident memory on 2 cores.
+Runs `drmas train` with the overrides (none: the embedded default, the README's first
+command) as a child process, samples the resident memory of its whole process tree every
+0.5 s, and reads the run's metrics to compare, in the first and last quarter of the
+steps, each agent's training reward, the workflow's rollout metrics (rollout/em, ... for
+the search team) and the validation metrics (val/avg@k, val/pass@k, val/em, ...; the
+validations at steps <= 1/4 and >= 3/4 of the run).
+Targets: <= 15 min wall and <= 6 GB total resident memory on 2 cores (issue #2 for the
+default, issue #5 for experiment=search_tiny).
 A fresh --cache includes building and warm-starting the builtin model in the time.
 """
 
@@ -68,10 +73,22 @@ def main() -> None:
         "validation": val,
         "summary": json.loads((run_dir / "broker_summary.json").read_text()),
     }
-    for agent in ("solver", "verifier"):
-        first, last = quarter_means(train, f"reward/{agent}/mean")
-        result[f"reward/{agent}/first_quarter"] = first
-        result[f"reward/{agent}/last_quarter"] = last
+    keys = sorted(
+        {k for x in train for k in x if k.startswith("reward/") and k.endswith("/mean")}
+        | {k for x in train for k in x if k.startswith("rollout/")}
+    )
+    for key in keys:
+        first, last = quarter_means(train, key)
+        result[f"{key}/first_quarter"] = first
+        result[f"{key}/last_quarter"] = last
+    steps = max((x["step"] for x in train), default=0)
+    early = [x for x in val if x["step"] <= steps / 4]
+    late = [x for x in val if x["step"] >= 3 * steps / 4]
+    for key in sorted({k for x in val for k in x if k.startswith("val/") and k != "val/tasks"}):
+        for name, part in (("first_quarter", early), ("last_quarter", late)):
+            values = [x[key] for x in part if key in x]
+            if values:
+                result[f"{key}/{name}"] = sum(values) / len(values)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(output[-3000:])

@@ -92,7 +92,10 @@ def transcript(rng: random.Random, spec: ArithmeticSpec, kind: int) -> tuple[str
     return plain_prompt(SOLVER, question, turns, TINY_INSTRUCTIONS[SOLVER]), solver_response(gold)
 
 
-def draw(rng: random.Random, n: int, spec: ArithmeticSpec = ARITHMETIC) -> Pairs:
+def draw(
+    rng: random.Random, n: int, progress: float = 0.0, spec: ArithmeticSpec = ARITHMETIC
+) -> Pairs:
+    """A batch of one transcript kind (the mix does not change with `progress`)."""
     """One kind per batch: the kinds differ in length by 2x, so mixing them would mostly
     pay for padding."""
     kind = rng.choices(range(3), weights=spec.kind_weights)[0]

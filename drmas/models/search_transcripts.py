@@ -80,19 +80,27 @@ KIND_AGENT = {
 class SearchSpec:
     """What the search warm start trains on."""
 
-    kb: KBSpec = field(default_factory=lambda: KBSpec(num_people=5000, seed=1000))
-    """Knowledge base of the transcripts: not the RL task's (seed 0), and large enough
-    that its facts cannot be memorised in the warm start's steps."""
+    kb: KBSpec = field(default_factory=lambda: KBSpec(num_people=200, seed=1000))
+    """Knowledge base of the transcripts: the RL task's size (task.kb_num_people), hence
+    its names, but every batch redraws the facts (seed = this seed + a random offset), so
+    no fact can be memorised and the only way to answer is to read the Info lines. The
+    model learns the names it will have to copy and how to find them in context; the RL
+    task's facts (seed 0) it never sees."""
     top_k: int = 3
     """Passages per simulated search (retriever.top_k of search_tiny)."""
-    kind_weights: tuple[float, ...] = (0.04, 0.12, 0.08, 0.12, 0.12, 0.12, 0.4)
-    """Mix of the kinds VERIFY_FIRST .. ANSWER_LAST, then COPY_DRILL (one kind per batch:
-    their lengths differ by 3x). Copying names (from the question, out of a passage) is
-    what takes steps; the verdicts mostly follow the question's wording and the number of
-    searches, and are right ~97 % (greedy) after a few hundred steps. With 900 steps of
-    batch 8 at lr 5e-3 (~4 min on 2 cores) the tiny model still does not copy names:
-    agent kinds alone did not start copying in 700 steps, the drill brings its loss from
-    4.8 to ~0.3 nats/char in 500 steps, so it leads the mix."""
+    kind_weights: tuple[float, ...] = (0.06, 0.2, 0.12, 0.2, 0.2, 0.22, 0.0)
+    """Mix of the kinds VERIFY_FIRST .. ANSWER_LAST, then COPY_DRILL, after the curriculum
+    (one kind per batch: their lengths differ by 3x)."""
+    curriculum: tuple[tuple[float, tuple[float, ...]], ...] = (
+        (0.2, (0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)),
+        (0.2, (0.0, 0.0, 0.0, 0.5, 0.0, 0.5, 0.0)),
+    )
+    """Phases before kind_weights: (fraction of the steps, kind weights). Copying a name
+    out of the context is what the tiny model finds hard, and it learns it as one skill
+    that then serves every role: mixed from the start, 900 steps left the first query at
+    0 % (greedy); a first quarter of nothing but first queries brings it to ~97 %. The
+    second phase does the same for copying an answer out of an Info line. Measured at
+    lr 1e-3: higher rates (3e-3, 5e-3) never started copying at all."""
     verifier_label_noise: float = 0.1
     """Fraction of Verifier transcripts whose verdict is flipped, so RL still has verdicts
     to explore (and the other agents see the states a wrong verdict leads to)."""
@@ -104,6 +112,8 @@ class SearchSpec:
     questions whose Verifier wrongly asked for a second search)."""
     seed: int = 0
     """Seed of the transcript stream and of the model's initialisation."""
+    kb_version: int = kbmod.KB_VERSION
+    """The knowledge-base generator's version (in the model cache key with the rest)."""
 
 
 SEARCH = SearchSpec()
@@ -116,10 +126,10 @@ _PLAUSIBLE = {"born": _BORN, "job": _JOB, "country": _COUNTRY}
 
 
 class SimRetriever:
-    """bm25-like ranking over a knowledge base's corpus: passages titled exactly the query
-    first (in random order), then by the number of query words they share (ties random),
-    then random passages to fill top_k (bm25s always returns k). Words as bm25 tokenises
-    them: lower case, 2+ characters, stopwords dropped."""
+    """bm25-like ranking over a knowledge base's corpus, as drmas.retrieval.bm25 returns
+    it on these short passages (a person's born passage before their job passage, both
+    before namesakes). Words as bm25 tokenises them: lower case, 2+ characters, stopwords
+    dropped."""
 
     def __init__(self, kb: KnowledgeBase, top_k: int) -> None:
         self.kb, self.top_k = kb, top_k
@@ -132,21 +142,16 @@ class SimRetriever:
                 self.by_word.setdefault(word, []).append(i)
 
     def search(self, query: str, rng: random.Random) -> list[Passage]:
+        """Like BM25Retriever: passages titled exactly the query first, then by the number
+        of query words they share, ties in corpus order; none that shares no word. (`rng`
+        is kept for retrievers that sample.)"""
         exact = list(self.by_title.get(" ".join(query.lower().split()), []))
-        rng.shuffle(exact)
         shared: dict[int, int] = {}
         for word in _words(query):
             for i in self.by_word.get(word, []):
                 shared[i] = shared.get(i, 0) + 1
-        others = sorted(
-            (i for i in shared if i not in exact), key=lambda i: (-shared[i], rng.random())
-        )
-        ranked = (exact + others)[: self.top_k]
-        while len(ranked) < min(self.top_k, len(self.passages)):
-            i = rng.randrange(len(self.passages))
-            if i not in ranked:
-                ranked.append(i)
-        return [self.passages[i] for i in ranked]
+        others = sorted((i for i in shared if i not in exact), key=lambda i: (-shared[i], i))
+        return [self.passages[i] for i in (exact + others)[: self.top_k]]
 
 
 def _words(text: str) -> set[str]:
@@ -229,9 +234,18 @@ def _namesake(rng: random.Random, kb: KnowledgeBase, person: Person) -> Person:
     return rng.choice(near or kb.people)
 
 
-def draw(rng: random.Random, n: int, spec: SearchSpec = SEARCH) -> Pairs:
-    retriever = retriever_for(spec.kb, spec.top_k)
-    kind = rng.choices((*KINDS, COPY_DRILL), weights=spec.kind_weights)[0]
+def draw(rng: random.Random, n: int, progress: float = 0.0, spec: SearchSpec = SEARCH) -> Pairs:
+    """A batch of one kind, drawn from the curriculum phase `progress` falls in (then
+    from kind_weights)."""
+    facts = replace(spec.kb, seed=spec.kb.seed + 1 + rng.randrange(1 << 30))
+    retriever = SimRetriever(kbmod.build(facts), spec.top_k)
+    weights, start = spec.kind_weights, 0.0
+    for fraction, phase_weights in spec.curriculum:
+        if start <= progress < start + fraction:
+            weights = phase_weights
+            break
+        start += fraction
+    kind = rng.choices((*KINDS, COPY_DRILL), weights=weights)[0]
     return [transcript(rng, spec, retriever, kind) for _ in range(n)]
 
 

@@ -38,8 +38,9 @@ class TranscriptSource:
     """A frozen dataclass of everything that determines the transcripts (in the cache key)."""
     instructions: dict[str, str]
     """The tiny instructions the prompts start with (in the cache key)."""
-    draw: Callable[[random.Random, int], Pairs]
-    """A batch of `n` transcripts from the stream `rng`."""
+    draw: Callable[[random.Random, int, float], Pairs]
+    """A batch of `n` transcripts from the stream `rng` at `progress` = step / steps (a
+    team may change its mix over the warm start: a curriculum)."""
     report: Callable[[Any, Any], None]
     """Logs the trained model's accuracy (model, tokenizer); must not touch the weights."""
 
@@ -134,7 +135,9 @@ def warm_start(
     model.train()
     start = time.perf_counter()
     for step in range(cfg.steps):
-        loss = response_loss(model, *transcript_batch(tokenizer, source.draw(rng, cfg.batch_size)))
+        loss = response_loss(
+            model, *transcript_batch(tokenizer, source.draw(rng, cfg.batch_size, step / cfg.steps))
+        )
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         optimizer.zero_grad(set_to_none=True)

@@ -67,29 +67,36 @@ class BM25Retriever:
         self._bm25s = bm25s
 
     def search(self, queries: list[str], top_k: int) -> list[list[Passage]]:
-        """Best first; passages that share no token with the query (score 0) are left out,
-        so a query of unknown words returns []."""
+        """Best first, equal scores in corpus order (bm25s leaves ties in no fixed order;
+        a policy should see the same ranking for the same query); passages that share no
+        token with the query (score 0) are left out, so a query of unknown words returns []."""
         k = min(top_k, len(self.passages))
         if not queries or k <= 0:
             return [[] for _ in queries]
         tokens = self._bm25s.tokenize(
             queries, stopwords=STOPWORDS, return_ids=False, show_progress=False
         )
-        indices, scores = self._index.retrieve(tokens, k=k, show_progress=False, n_threads=0)
-        return [
-            [
-                _scored(self.passages[int(i)], float(s))
-                for i, s in zip(row_i, row_s, strict=True)
-                if s > 0
-            ]
-            for row_i, row_s in zip(indices, scores, strict=True)
-        ]
+        # a few more than k, so that ties at the cut are ordered too
+        wide = min(len(self.passages), k + TIE_MARGIN)
+        indices, scores = self._index.retrieve(tokens, k=wide, show_progress=False, n_threads=0)
+        out = []
+        for row_i, row_s in zip(indices, scores, strict=True):
+            ranked = sorted(
+                ((float(s), int(i)) for i, s in zip(row_i, row_s, strict=True) if s > 0),
+                key=lambda pair: (-round(pair[0], 6), pair[1]),
+            )
+            out.append([_scored(self.passages[i], s) for s, i in ranked[:k]])
+        return out
 
     def close(self) -> None:
         pass
 
     def __repr__(self) -> str:
         return f"BM25Retriever({str(self.corpus_path)!r})"
+
+
+TIE_MARGIN = 8
+"""Extra candidates fetched so that passages tied with the k-th are ordered by id too."""
 
 
 def _scored(p: Passage, score: float) -> Passage:

@@ -12,7 +12,9 @@ countries of 4 (`Taki`, `Lumo`), the last three drawn without replacement from o
 a name token means one kind of entity. People share first names and surnames, so a search
 for one person also finds namesakes: bm25 has distractors to rank below the right passages.
 Everything is a pure function of the spec (no global random state); building 50 000 people
-takes about a second.
+takes about a second. The names depend only on the sizes and the facts on the seed, so
+the search warm start can teach the tiny model the names it will copy on knowledge bases
+whose facts it redraws every batch, and never see the RL task's facts.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-KB_VERSION = 1
+KB_VERSION = 2
 """Bump when the generator's output changes for the same spec (cached corpora are rebuilt)."""
 
 CONSONANTS = "bdfghklmnprstvz"
@@ -69,7 +71,10 @@ class KBSpec:
     num_people: int = 200
     """People (2 passages and 3 questions each)."""
     seed: int = 0
-    """Seed of every random choice (names, facts, the train/val split)."""
+    """Seed of the facts (who was born where, jobs, which country each city is in) and of
+    the train/val split. The names depend only on the sizes: knowledge bases that differ
+    only in seed have the same people, cities and countries with different facts (the
+    search warm start teaches the names and the format on other facts than RL's)."""
     num_cities: int = 0
     """Cities (1 passage each); 0 = num_people // 10, at least 4, at most 2000."""
     num_countries: int = 0
@@ -171,18 +176,24 @@ def build(spec: KBSpec) -> KnowledgeBase:
             f"{spec}: only {len(firsts) * num_surnames} distinct full names with "
             f"{num_surnames} surnames; raise num_surnames"
         )
-    rng = random.Random(f"drmas.kb:{spec.seed}")
-    words = rng.sample(pool, num_cities + num_countries + num_surnames)
+    names = random.Random(
+        f"drmas.kb:names:{spec.num_people}:{num_cities}:{num_countries}:{num_surnames}"
+    )
+    words = names.sample(pool, num_cities + num_countries + num_surnames)
     cities_list = words[:num_cities]
     countries = words[num_cities : num_cities + num_countries]
     surnames = words[num_cities + num_countries :]
-    # Every country has a city: the first num_countries cities go one to each.
+    rng = random.Random(f"drmas.kb:{spec.seed}")
+    # Every country has a city: num_countries cities (a different few per seed) go one to
+    # each, the others to random countries.
+    first_cities = set(rng.sample(range(num_cities), num_countries))
+    countries_left = iter(rng.sample(countries, num_countries))
     cities = {
-        city: countries[i] if i < num_countries else rng.choice(countries)
+        city: next(countries_left) if i in first_cities else rng.choice(countries)
         for i, city in enumerate(cities_list)
     }
     # Distinct (first, surname) pairs; sampling pair indices avoids a retry loop.
-    pairs = rng.sample(range(len(firsts) * num_surnames), spec.num_people)
+    pairs = names.sample(range(len(firsts) * num_surnames), spec.num_people)
     people = [
         Person(
             f"{firsts[i // num_surnames]} {surnames[i % num_surnames]}",

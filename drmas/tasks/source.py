@@ -116,10 +116,10 @@ def _build(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
         )
         return _arithmetic_tasks(train, "train"), _arithmetic_tasks(val, "val")
     if cfg.name == "kb":
-        from drmas.tasks import kb
+        from drmas.tasks.kb import KBSpec, tasks
 
-        spec = kb.KBSpec(num_people=cfg.kb_num_people, seed=cfg.seed)
-        train_qa, val_qa = kb.tasks(spec, cfg.num_val)
+        spec = KBSpec(num_people=cfg.kb_num_people, seed=cfg.seed)
+        train_qa, val_qa = tasks(spec, cfg.num_val)
         return _kb_tasks(train_qa, "train"), _kb_tasks(val_qa, "val")
     if cfg.name in FILE_KINDS:
         if not cfg.train_path:

@@ -64,7 +64,7 @@ def test_transcripts_are_the_workflow_prompts_byte_for_byte(kind: int) -> None:
                 rebuilt.append((who, sp.search_response(query)))
             else:
                 shown = text.split(" | ")
-                assert len(shown) == SPEC.top_k and set(shown) <= TEXTS
+                assert 1 <= len(shown) <= SPEC.top_k and set(shown) <= TEXTS
                 passages = [kb_passage(t) for t in shown]
                 rebuilt.append((who, sp.render_passages(passages, "plain")))
         assert prompt == sp.plain_prompt(agent, question, rebuilt, instruction)
@@ -144,7 +144,7 @@ def test_forced_answers_copy_the_info_or_guess_an_entity_of_the_asked_type() -> 
             elif "is a city in" in info:
                 assert f"is a city in {answer}." in info
         assert re.search(rf"\b{answer}\b", info)
-    assert copied > 200  # most second searches were the right city
+    assert copied > 170  # most second searches were the right city (~0.6 * 0.85 * 400)
 
 
 def test_simulated_retriever_ranks_like_bm25() -> None:
@@ -154,21 +154,48 @@ def test_simulated_retriever_ranks_like_bm25() -> None:
     for _ in range(20):
         top = RETRIEVER.search(person.name, rng)
         assert len(top) == 3
-        assert {p.text for p in top[:2]} == {kb.born_text(person), kb.job_text(person)}
+        assert [p.text for p in top[:2]] == [kb.born_text(person), kb.job_text(person)]
         first, last = person.name.split()
         assert first in top[2].text or last in top[2].text  # a namesake
     city_top = RETRIEVER.search(person.city, rng)
     assert city_top[0].text == kb.city_text(person.city, base.cities[person.city])
     assert all(person.city in p.text for p in city_top)
-    assert len(RETRIEVER.search("nothing matches this", rng)) == 3
+    assert RETRIEVER.search("nothing matches this", rng) == []  # bm25 drops score 0
 
 
-def test_warm_start_kb_is_not_the_rl_tasks() -> None:
-    assert SPEC.kb.seed != kb.KBSpec().seed
-    rl = {p.name for p in kb.build(kb.KBSpec()).people}
-    warm = {p.name: p for p in RETRIEVER.kb.people}
-    # a few names may coincide; their facts are drawn independently
-    assert len(rl & set(warm)) < 0.2 * len(rl)
+def test_simulated_retriever_agrees_with_bm25_on_the_rl_corpus(tmp_path: Path) -> None:
+    from drmas.retrieval.bm25 import BM25Retriever
+
+    base = kb.build(kb.KBSpec())
+    path = tmp_path / "corpus.jsonl"
+    kb.write_corpus(base, path)
+    real, sim = BM25Retriever(path), st.SimRetriever(base, 3)
+    queries = [p.name for p in base.people[:40]]
+    agree = sum(
+        [p.text for p in got][:2] == [p.text for p in sim.search(q, random.Random(0))][:2]
+        for q, got in zip(queries, real.search(queries, 3))
+    )
+    assert agree == len(queries)  # the person's two passages, born first
+
+
+def test_warm_start_names_are_the_rl_tasks_but_every_batch_redraws_the_facts() -> None:
+    rl = kb.build(kb.KBSpec())
+    assert SPEC.kb.num_people == rl.spec.num_people and SPEC.kb.seed != rl.spec.seed
+    rl_facts = {kb.born_text(p) for p in rl.people}
+    rng = random.Random(0)
+    seen_facts: set[str] = set()
+    for _ in range(6):
+        for prompt, _response in st.draw(
+            rng, 8, 0.9, replace(SPEC, kind_weights=(0, 0, 0, 0, 0, 1, 0))
+        ):
+            seen_facts |= set(
+                re.findall(r"[A-Z][a-z]+ [A-Z][a-z]+ was born in [A-Z][a-z]+\.", prompt)
+            )
+    names = {fact.split(" was born")[0] for fact in seen_facts}
+    assert names <= {p.name for p in rl.people}  # the RL task's names...
+    # ...with facts drawn anew: about 1 in num_cities matches RL's by chance
+    assert len(seen_facts & rl_facts) < 0.25 * len(seen_facts)
+    assert len(seen_facts) > 20
 
 
 def test_tiny_search_build_is_loadable_and_cached_apart_from_math(
