@@ -14,8 +14,6 @@ loads it with `from_pretrained` like any other model.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -23,12 +21,12 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from drmas.actors.workflows.math_prompts import SOLVER, VERIFIER, plain_prompt, solver_response
+from drmas.filelock import file_lock
 from drmas.models import math_transcripts, search_transcripts
 from drmas.models.config import WarmStartConfig
 
@@ -145,7 +143,7 @@ def _build_cached(name: str, root: Path, warmstart: WarmStartConfig) -> Path:
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f"{final.name}.lock"):
+    with file_lock(root / f"{final.name}.lock"):
         if (final / "config.json").is_file():
             return final
         # Holding the lock, any temporary folder of this key is a killed builder's leftover.
@@ -162,16 +160,6 @@ def _build_cached(name: str, root: Path, warmstart: WarmStartConfig) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,8 +8,6 @@ second actor (or the second run) loads instead of rebuilding.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -17,10 +15,12 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from drmas.filelock import file_lock
 
 log = logging.getLogger("drmas.retrieval")
 
@@ -118,7 +118,7 @@ def cached_build(folder: Path, key: dict[str, Any], build: Callable[[Path], None
     if _read_meta(folder) == key:
         return False
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(folder.parent / f"{folder.name}.lock"):
+    with file_lock(folder.parent / f"{folder.name}.lock"):
         if _read_meta(folder) == key:
             return False
         # Holding the lock, any temporary folder of this index is a killed builder's leftover.
@@ -148,13 +148,3 @@ def _read_meta(folder: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) else None
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

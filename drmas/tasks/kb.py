@@ -19,8 +19,6 @@ whose facts it redraws every batch, and never see the RL task's facts.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import itertools
 import json
@@ -30,6 +28,8 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from drmas.filelock import file_lock
 
 KB_VERSION = 2
 """Bump when the generator's output changes for the same spec (cached corpora are rebuilt)."""
@@ -263,7 +263,7 @@ def ensure_corpus(spec: KBSpec, cache_dir: str | Path | None) -> Path:
     if path.is_file():
         return path
     folder.mkdir(parents=True, exist_ok=True)
-    with _file_lock(folder / "corpus.lock"):
+    with file_lock(folder / "corpus.lock"):
         if not path.is_file():
             write_corpus(build(spec), path)
     return path
@@ -280,13 +280,3 @@ def _write_jsonl(lines: Iterator[str], path: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -16,7 +16,8 @@ plain layout (responses start with a space and end with EOS):
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+
+from drmas.actors.workflows.layout import TeamLayout
 
 SOLVER = "solver"
 VERIFIER = "verifier"
@@ -38,25 +39,10 @@ _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _VERIFY = re.compile(r"<verify>\s*(yes|no)\s*</verify>", re.IGNORECASE)
 
 
-def context_lines(turns: Sequence[tuple[str, str]]) -> str:
-    """Team context: one `Label: text` line per earlier agent output."""
-    return "".join(f"{LABELS[agent]}: {text.strip()}\n" for agent, text in turns)
-
-
-def plain_prompt(
-    agent: str, question: str, turns: Sequence[tuple[str, str]], instruction: str
-) -> str:
-    return f"{instruction}\nQuestion: {question}\n{context_lines(turns)}{LABELS[agent]}:"
-
-
-def chat_messages(
-    agent: str, question: str, turns: Sequence[tuple[str, str]], instruction: str
-) -> list[dict[str, str]]:
-    user = f"Question: {question}\n"
-    if turns:
-        user += f"\nTeam so far:\n{context_lines(turns)}"
-    user += f"\nYou are the {LABELS[agent]}. Respond now."
-    return [{"role": "system", "content": instruction}, {"role": "user", "content": user}]
+LAYOUT = TeamLayout(LABELS)
+context_lines = LAYOUT.context_lines
+plain_prompt = LAYOUT.plain_prompt
+chat_messages = LAYOUT.chat_messages
 
 
 def parse_boxed(text: str) -> str | None:

@@ -24,6 +24,8 @@ import re
 from collections.abc import Sequence
 from typing import Protocol
 
+from drmas.actors.workflows.layout import TeamLayout
+
 VERIFIER = "verifier"
 SEARCHER = "searcher"
 ANSWERER = "answerer"
@@ -80,25 +82,10 @@ def render_passages(passages: Sequence[HasText], style: str) -> str:
     )
 
 
-def context_lines(turns: Sequence[tuple[str, str]]) -> str:
-    """Team context: one `Label: text` line per earlier output or search result."""
-    return "".join(f"{LABELS[who]}: {text.strip()}\n" for who, text in turns)
-
-
-def plain_prompt(
-    agent: str, question: str, turns: Sequence[tuple[str, str]], instruction: str
-) -> str:
-    return f"{instruction}\nQuestion: {question}\n{context_lines(turns)}{LABELS[agent]}:"
-
-
-def chat_messages(
-    agent: str, question: str, turns: Sequence[tuple[str, str]], instruction: str
-) -> list[dict[str, str]]:
-    user = f"Question: {question}\n"
-    if turns:
-        user += f"\nTeam so far:\n{context_lines(turns)}"
-    user += f"\nYou are the {LABELS[agent]} agent. Respond now."
-    return [{"role": "system", "content": instruction}, {"role": "user", "content": user}]
+LAYOUT = TeamLayout(LABELS, " agent")
+context_lines = LAYOUT.context_lines
+plain_prompt = LAYOUT.plain_prompt
+chat_messages = LAYOUT.chat_messages
 
 
 def parse_verdict(text: str) -> bool | None:
