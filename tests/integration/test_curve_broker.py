@@ -100,9 +100,12 @@ def test_only_authorised_clients_reach_a_curve_broker(tmp_path: Path, model_cach
         no_curve = intruder_hello(address, None, timeout_s=3)
         assert wrong_key["outcome"] == "timeout" and no_curve["outcome"] == "timeout"
         # what they saw: the broker's ZAP handler denied the key (status 400); the plain
-        # client was dropped at the mechanism check. Neither finished a handshake.
+        # client was dropped at the mechanism check, which libzmq reports as a protocol
+        # failure or, when the broker closes first, without detail (a fresh-clone CI run
+        # saw only the latter). Neither finished a handshake.
         assert zmq.EVENT_HANDSHAKE_FAILED_AUTH in wrong_key["events"], wrong_key
-        assert zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL in no_curve["events"], no_curve
+        dropped = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}
+        assert dropped & set(no_curve["events"]), no_curve
         for seen in (wrong_key, no_curve):
             assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in seen["events"], seen
 
