@@ -191,18 +191,21 @@ def test_split_group_spans_give_back_each_models_steps_and_scores():
     assert [s.version for s in samples] == [0, 3, 0]
 
 
+class ListSink:
+    """A metrics sink that keeps the lines it is given."""
+
+    def __init__(self):
+        self.lines = []
+
+    def write(self, record):
+        self.lines.append(record)
+
+    def close(self):
+        pass
+
+
 def test_a_step_line_is_written_once_even_when_parts_of_it_come_late():
     from drmas.broker.metrics import StepMetrics
-
-    class ListSink:
-        def __init__(self):
-            self.lines = []
-
-        def write(self, record):
-            self.lines.append(record)
-
-        def close(self):
-            pass
 
     sink = ListSink()
     metrics = StepMetrics(sink, ["m"])  # type: ignore[arg-type]
@@ -221,16 +224,6 @@ def test_episode_metrics_become_rollout_means_per_line_and_val_means_per_round()
     from drmas.broker.evaluation import EvalRound
     from drmas.broker.metrics import StepMetrics
     from drmas.protocol.messages import EpisodeHeader, Task
-
-    class ListSink:
-        def __init__(self):
-            self.lines = []
-
-        def write(self, record):
-            self.lines.append(record)
-
-        def close(self):
-            pass
 
     sink = ListSink()
     metrics = StepMetrics(sink, ["m"])  # type: ignore[arg-type]

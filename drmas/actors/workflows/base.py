@@ -7,8 +7,8 @@ only await the engines, so the G episodes of a group run concurrently (`run_grou
 the engine batches their calls.
 
 A workflow module (math.py, search.py) subclasses `TeamWorkflow` with its agents, its
-default instructions and its prompt renderers (`plain_prompt`, `chat_messages`), and
-writes `run_episode`.
+default instructions and its prompt layout (drmas/actors/workflows/layout.py), and writes
+`run_episode`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from drmas.actors.config import WorkflowConfig
 from drmas.actors.engines.base import Engine, GenerateRequest
+from drmas.actors.workflows.layout import TeamLayout
 from drmas.protocol.arrays import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, SamplingParams, Step, Task
 
@@ -33,6 +34,8 @@ class TeamWorkflow:
     agents: ClassVar[tuple[str, ...]]
     default_instructions: ClassVar[dict[str, dict[str, str]]]
     """prompt style -> agent -> role instruction."""
+    layout: ClassVar[TeamLayout]
+    """How prompts are rendered (labels of the agents and other context entries)."""
 
     def __init__(
         self,
@@ -80,16 +83,6 @@ class TeamWorkflow:
     async def run_episode(self, task: Task, sampling: SamplingParams) -> Episode:
         raise NotImplementedError
 
-    def plain_prompt(self, agent: str, question: str, turns: Turns, instruction: str) -> str:
-        """The prompt text of the plain style."""
-        raise NotImplementedError
-
-    def chat_messages(
-        self, agent: str, question: str, turns: Turns, instruction: str
-    ) -> list[dict[str, str]]:
-        """The messages of the chat style (rendered by the tokenizer's chat template)."""
-        raise NotImplementedError
-
     async def close(self) -> None:
         """Release what the workflow holds beyond the engines (e.g. a retriever)."""
 
@@ -135,9 +128,9 @@ class TeamWorkflow:
     def prompt_ids(self, agent: str, task: Task, turns: Turns, tokenizer: Any) -> list[int]:
         instruction = self.instructions[agent]
         if self.cfg.prompt_style == "plain":
-            text = self.plain_prompt(agent, task.question, turns, instruction)
+            text = self.layout.plain_prompt(agent, task.question, turns, instruction)
             return list(tokenizer(text, add_special_tokens=False).input_ids)
-        messages = self.chat_messages(agent, task.question, turns, instruction)
+        messages = self.layout.chat_messages(agent, task.question, turns, instruction)
         return as_ids(
             tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         )

@@ -21,7 +21,7 @@ from __future__ import annotations
 from drmas.actors.config import WorkflowConfig
 from drmas.actors.engines.base import Engine
 from drmas.actors.workflows import math_prompts
-from drmas.actors.workflows.base import TeamWorkflow, Turns
+from drmas.actors.workflows.base import TeamWorkflow
 from drmas.actors.workflows.math_prompts import (
     INSTRUCTIONS,
     SOLVER,
@@ -43,6 +43,7 @@ class MathWorkflow(TeamWorkflow):
     name = "math"
     agents = AGENTS
     default_instructions = DEFAULT_INSTRUCTIONS
+    layout = math_prompts.LAYOUT
 
     def __init__(
         self,
@@ -54,14 +55,6 @@ class MathWorkflow(TeamWorkflow):
         if cfg.max_loops < 1:
             raise ValueError(f"workflow.max_loops must be >= 1, got {cfg.max_loops}")
         super().__init__(cfg, agent_models, engines, tokenizers)
-
-    def plain_prompt(self, agent: str, question: str, turns: Turns, instruction: str) -> str:
-        return math_prompts.plain_prompt(agent, question, turns, instruction)
-
-    def chat_messages(
-        self, agent: str, question: str, turns: Turns, instruction: str
-    ) -> list[dict[str, str]]:
-        return math_prompts.chat_messages(agent, question, turns, instruction)
 
     async def run_episode(self, task: Task, sampling: SamplingParams) -> Episode:
         turns: list[tuple[str, str]] = []

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from drmas.actors.config import WorkflowConfig
 from drmas.actors.engines.base import Engine
 from drmas.actors.workflows import search_prompts
-from drmas.actors.workflows.base import TeamWorkflow, Turns
+from drmas.actors.workflows.base import TeamWorkflow
 from drmas.actors.workflows.search_prompts import (
     AGENTS,
     ANSWERER,
@@ -63,6 +63,7 @@ class SearchWorkflow(TeamWorkflow):
     name = "search"
     agents = AGENTS
     default_instructions = DEFAULT_INSTRUCTIONS
+    layout = search_prompts.LAYOUT
 
     def __init__(
         self,
@@ -78,14 +79,6 @@ class SearchWorkflow(TeamWorkflow):
             raise ValueError(f"workflow.on_invalid must be continue or end, got {cfg.on_invalid!r}")
         super().__init__(cfg, agent_models, engines, tokenizers)
         self.retriever = retriever
-
-    def plain_prompt(self, agent: str, question: str, turns: Turns, instruction: str) -> str:
-        return search_prompts.plain_prompt(agent, question, turns, instruction)
-
-    def chat_messages(
-        self, agent: str, question: str, turns: Turns, instruction: str
-    ) -> list[dict[str, str]]:
-        return search_prompts.chat_messages(agent, question, turns, instruction)
 
     async def run_episode(self, task: Task, sampling: SamplingParams) -> Episode:
         turns: list[tuple[str, str]] = []
