@@ -114,6 +114,8 @@ class Actor:
         try:
             while not self.stopping:
                 self.drain_inbox()
+                if self.stopping:  # a Shutdown just read: the broker may already be gone,
+                    break  # so ask it nothing more (the request would wait out its timeout)
                 await self.sync_weights()
                 self.send_finished()
                 now = time.monotonic()
@@ -148,6 +150,9 @@ class Actor:
         """A request went unanswered: True (and stop) if the broker said Shutdown meanwhile
         (it answered the request's race by exiting: the run is over, not broken); else the
         broker is gone and the caller re-raises `exc`."""
+        if self.stopping:  # drain_inbox read the Shutdown already
+            log.info("no answer after the broker's Shutdown (%s): stopping", exc)
+            return True
         shutdown = next((m for m in self.client.inbox if isinstance(m, Shutdown)), None)
         if shutdown is None:
             return False

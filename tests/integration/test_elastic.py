@@ -125,7 +125,7 @@ def test_actor_attached_mid_run_syncs_then_trains(tmp_path: Path, model_cache: P
         assert all(worked["versions"][m] >= 1 for m in MODELS), worked  # synced first
         finish(train)
         late.wait(timeout=60)  # the broker's Shutdown reaches the attached actor too
-        assert late.returncode == 0
+        assert late.returncode == 0, (run_dir / "extra-late.log").read_text()[-4000:]
     finally:
         stop_all(train, late)
     c = check_complete(read_summary(run_dir), steps)
