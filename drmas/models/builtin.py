@@ -1,11 +1,13 @@
 """Builtin models: real Hugging Face checkpoint folders built on first use and cached.
 
-`builtin:tiny-qwen2` is a character-level Qwen2 (~0.8 M parameters) that runs the whole
-system on a laptop CPU. An untrained model never writes a parseable `\\boxed{}` answer, so
-RL would see reward 0 everywhere and learn nothing; the warm start (warmstart.py) teaches
-it one team's plain transcript format: the math team's on generated arithmetic
+`builtin:tiny-qwen2` is a Qwen2 of ~0.8 M parameters that runs the whole system on a
+laptop CPU. An untrained model never writes a parseable `\\boxed{}` answer, so RL would
+see reward 0 everywhere and learn nothing; the warm start (warmstart.py) teaches it one
+team's plain transcript format: the math team's on generated arithmetic
 (math_transcripts.py) or the search team's on a synthetic knowledge base
-(search_transcripts.py), chosen by `WarmStartConfig.workflow`.
+(search_transcripts.py), chosen by `WarmStartConfig.workflow`. The team also picks the
+tokenizer (vocab.py): one token per character for math, the words of its transcripts for
+search (its agents copy names, which is one token each then).
 
 The folder is an ordinary checkpoint (config.json, model.safetensors, generation_config.json,
 tokenizer.json, tokenizer_config.json, special_tokens_map.json), so every engine and learner
@@ -18,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -25,7 +28,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from drmas.actors.workflows.math_prompts import SOLVER, VERIFIER, plain_prompt, solver_response
 from drmas.filelock import file_lock
 from drmas.models import math_transcripts, search_transcripts
 from drmas.models.config import WarmStartConfig
@@ -38,6 +40,14 @@ from drmas.models.math_transcripts import (  # noqa: F401
     solver_accuracy,
     transcript,
 )
+from drmas.models.vocab import (
+    ALPHABET,
+    SPECIAL_TOKENS,
+    char_tokenizer,
+    check_loaded,
+    save_tokenizer,
+    word_tokenizer,
+)
 from drmas.models.warmstart import (  # noqa: F401
     TranscriptSource,
     response_loss,
@@ -46,18 +56,13 @@ from drmas.models.warmstart import (  # noqa: F401
 )
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
 log = logging.getLogger("drmas.models")
 
 BUILTIN_PREFIX = "builtin:"
 BUILDER_VERSION = 2
 """Bump when the builder's code changes what it writes; cached folders are rebuilt."""
-
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
-"""Ids 0, 1, 2."""
-ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
-"""Printable ASCII (space, digits, letters, punctuation) and newline: one token each."""
 
 TINY_QWEN2: dict[str, Any] = {
     "hidden_size": 128,
@@ -126,6 +131,10 @@ def cache_key(name: str, warmstart: WarmStartConfig) -> str:
         "architecture": ARCHITECTURES[name],
         "special_tokens": SPECIAL_TOKENS,
         "alphabet": ALPHABET,
+        "tokenizer": [
+            WARM_STARTS[warmstart.workflow].tokenizer,
+            WARM_STARTS[warmstart.workflow].vocab_size,
+        ],
         "warmstart": asdict(warmstart),
         "transcripts": asdict(WARM_STARTS[warmstart.workflow].spec),
         "instructions": WARM_STARTS[warmstart.workflow].instructions,
@@ -166,70 +175,6 @@ def _build_cached(name: str, root: Path, warmstart: WarmStartConfig) -> Path:
 # tiny-qwen2
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character of ALPHABET; decoding concatenates (spaces preserved).
-
-    Written as a byte-level BPE without merges (the vocabulary holds the byte-level symbol
-    of each character: space is "Ġ", newline "Ċ"). transformers 5 loads any folder whose
-    config says qwen2 with its own Qwen2Tokenizer pipeline, whatever tokenizer_config.json
-    names; this tokenizer is exactly that pipeline, so every loader sees the same ids."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    symbols = _byte_symbols()
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    vocab.update({symbols[ord(char)]: len(SPECIAL_TOKENS) + i for i, char in enumerate(ALPHABET)})
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, byte_fallback=False))
-    core.normalizer = normalizers.NFC()
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    core.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        clean_up_tokenization_spaces=False,
-        padding_side="left",
-        model_max_length=TINY_QWEN2["max_position_embeddings"],
-    )
-
-
-def _byte_symbols() -> dict[int, str]:
-    """The byte -> printable character table of byte-level BPE (GPT-2)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {b: chr(b) for b in printable}
-    shifted = (b for b in range(256) if b not in table)
-    table.update({b: chr(256 + i) for i, b in enumerate(shifted)})
-    return table
-
-
-def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
-    tokenizer.save_pretrained(folder)
-    # Name the class that every transformers version resolves for a qwen2 folder and keep
-    # the classic special_tokens_map.json next to it.
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "Qwen2Tokenizer"
-    config.pop("backend", None)
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
-    special = {"pad_token": "<pad>", "eos_token": "<eos>", "unk_token": "<unk>"}
-    (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-
-
-def _check_char_level(tokenizer: PreTrainedTokenizerBase) -> None:
-    """Fail the build (not the RL run hours later) if the tokenizer a consumer loads is not
-    one token per character with an exact round trip."""
-    sample = ALPHABET + plain_prompt(VERIFIER, "12-19", [(SOLVER, solver_response("-7"))], "Check.")
-    ids = tokenizer(sample, add_special_tokens=False).input_ids
-    back = tokenizer.decode([*ids, tokenizer.eos_token_id], skip_special_tokens=True)
-    if len(ids) != len(sample) or back != sample:
-        raise RuntimeError(
-            f"{type(tokenizer).__name__} loaded from the builtin folder is not character-level "
-            f"({len(ids)} ids for {len(sample)} characters, round trip {back == sample}); "
-            "this transformers version changed how tokenizers load"
-        )
-
-
 def build_tiny_qwen2(folder: Path, warmstart: WarmStartConfig) -> None:
     """builtin:tiny-qwen2, the embedded default (0.8M parameters)."""
     build_qwen2(folder, warmstart, TINY_QWEN2)
@@ -245,7 +190,8 @@ def build_qwen2(folder: Path, warmstart: WarmStartConfig, architecture: dict[str
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    written = char_tokenizer()
+    source = WARM_STARTS[warmstart.workflow]
+    written = make_tokenizer(source)
     config = Qwen2Config(
         vocab_size=len(written),
         bos_token_id=None,
@@ -255,11 +201,11 @@ def build_qwen2(folder: Path, warmstart: WarmStartConfig, architecture: dict[str
         **architecture,
     )
     config.save_pretrained(folder)
-    _save_tokenizer(written, folder)
+    save_tokenizer(written, folder)
     # Train on exactly what engines and learners will load.
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    _check_char_level(tokenizer)
-    source = WARM_STARTS[warmstart.workflow]
+    sample = ALPHABET + "".join(p + r for p, r in source.draw(random.Random(0), 4, 1.0))
+    check_loaded(tokenizer, written, sample, source.tokenizer)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -274,6 +220,15 @@ def build_qwen2(folder: Path, warmstart: WarmStartConfig, architecture: dict[str
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     model.save_pretrained(folder)
+
+
+def make_tokenizer(source: TranscriptSource) -> PreTrainedTokenizerFast:
+    """The tokenizer a team's builtin models use: characters (math) or the words of the
+    team's transcripts (search); see vocab.py."""
+    if source.tokenizer == "words":
+        assert source.tokenizer_corpus is not None, "a words tokenizer needs a corpus"
+        return word_tokenizer(source.tokenizer_corpus(), source.vocab_size)
+    return char_tokenizer()
 
 
 BUILTINS = {"tiny-qwen2": build_tiny_qwen2, "small-qwen2": build_small_qwen2}

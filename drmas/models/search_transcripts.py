@@ -2,9 +2,11 @@
 
 The tiny model has to start RL able to write `<verify>`, `<search>` and `<answer>` and to
 copy names from the question and the `Info:` lines, or every episode earns reward 0. The
-transcripts come from a knowledge base with a different seed than the RL task's (other
-people, cities and countries), so what carries over is the format and copying, not the
-facts RL asks about. Each transcript is one agent call of an episode as the search
+transcripts come from knowledge bases with the RL task's people, cities and countries
+(the names depend only on the sizes) but facts redrawn for every batch, so what carries
+over is the format, the names as tokens and copying, not the facts RL asks about. The
+model's tokenizer is learned from these transcripts (`tokenizer_corpus`, vocab.py), so
+every name is one token and copying it is copying one token. Each transcript is one agent call of an episode as the search
 workflow runs it (T = 3: Verifier and Search Agent on turns 1-2, forced answer on turn 3),
 with the workflow's own prompt helpers, so the text is byte-identical to what the model
 sees in RL. Retrieval is simulated the way bm25 over the corpus ranks: an exact entity
@@ -92,18 +94,24 @@ class SearchSpec:
     """Mix of the kinds VERIFY_FIRST .. ANSWER_LAST, then COPY_DRILL, after the curriculum
     (one kind per batch: their lengths differ by 3x)."""
     curriculum: tuple[tuple[float, tuple[float, ...]], ...] = (
-        (0.15, (0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)),
-        (0.35, (0.0, 0.0, 0.0, 0.5, 0.0, 0.5, 0.0)),
+        (0.3, (0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0)),
+        (0.2, (0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)),
+        (0.15, (0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.0)),
     )
     """Phases before kind_weights: (fraction of the steps, kind weights). Copying a name
-    out of the context is what the tiny model finds hard: mixed from the start, 900
-    steps left the first query at 0 % (greedy); 300 steps of nothing but first queries
-    bring it to ~97 %. The second phase does the same for copying an answer out of an
-    Info line. Measured at lr 1e-3 (3e-3 and 5e-3 never started copying); with 1400
-    steps (search_tiny, ~7 min here) greedy accuracies are verdicts 0.98-1.0, first query
-    0.22, second query 0.19, answers 0.22 (after one search) and 0.61 (forced), and whole
-    episodes 0.08 EM greedy, 0.02 at temperature 1 (20 % / 20 % phases instead of 15 / 35
-    gave first query 0.80 but answers 0.12 / 0.28 and episodes 0.06 / 0.00)."""
+    out of the context is what the tiny model finds hard, and it learns it suddenly, for
+    one kind of copy at a time: mixed with the other kinds it never starts, alone it
+    jumps from chance to ~100 % after 400-600 steps. So the first phase is nothing but
+    answers after one search (the word after `born in` / `works as a`; that same copy then
+    serves the second query and the forced answer, phase three). Measured with batch 16,
+    lr 1e-3 (1.5e-3 never started copying), 2000 steps (search_tiny, ~4.5 min here):
+    greedy accuracies verdicts 1.0, answer after one search 1.0, second query 1.0, forced
+    answer 0.36, whole episodes 0.20 EM (0.22 at temperature 1). The first query (the
+    first name out of the question) does not take after the answer copy has: 0.00 after
+    400 steps of phase two, where the Search Agent copies the surname but not the first
+    name; bm25 on the surname still finds the person among a few namesakes. The other
+    order (first queries first, 300-480 steps) learns the first query (0.92-1.0) but then
+    not the answer copy (0.03-0.08), and episodes reach only 0.09-0.12."""
     verifier_label_noise: float = 0.1
     """Fraction of Verifier transcripts whose verdict is flipped, so RL still has verdicts
     to explore (and the other agents see the states a wrong verdict leads to)."""
@@ -349,10 +357,29 @@ def report(model: Any, tokenizer: PreTrainedTokenizerBase) -> None:
         )
 
 
+VOCAB_SIZE = 1024
+"""Most tokens of the search model's word tokenizer: the ~900 that the corpus below
+yields (every name of a 200-person knowledge base and every template word, each with its
+leading space) fit."""
+
+
+def tokenizer_corpus(n: int = 4000) -> list[str]:
+    """Transcripts of every kind (the stream's own generator on its own seed) that the
+    word tokenizer's merges are learned from."""
+    rng = random.Random(SEARCH.seed + 1)
+    texts: list[str] = []
+    while len(texts) < n:
+        texts += [p + r for p, r in draw(rng, 8, rng.random())]
+    return texts
+
+
 SOURCE = TranscriptSource(
     seed=SEARCH.seed,
     spec=SEARCH,
     instructions=TINY_INSTRUCTIONS,
     draw=draw,
     report=report,
+    tokenizer="words",
+    tokenizer_corpus=tokenizer_corpus,
+    vocab_size=VOCAB_SIZE,
 )

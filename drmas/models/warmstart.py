@@ -12,7 +12,7 @@ import inspect
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,12 @@ class TranscriptSource:
     team may change its mix over the warm start: a curriculum)."""
     report: Callable[[Any, Any], None]
     """Logs the trained model's accuracy (model, tokenizer); must not touch the weights."""
+    tokenizer: str = "char"
+    """The builtin model's tokenizer (drmas/models/vocab.py): char | words."""
+    tokenizer_corpus: Callable[[], Iterable[str]] | None = None
+    """`words` only: the texts its merges are learned from (deterministic)."""
+    vocab_size: int = 0
+    """`words` only: the most tokens in all (specials and characters included)."""
 
 
 def transcript_batch(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import PreTrainedTokenizerFast
 
 from drmas.actors.workflows import search_prompts as sp
 from drmas.models import builtin
@@ -25,6 +26,12 @@ NAME = re.compile(r"([A-Z][a-z]+ [A-Z][a-z]+)(?:'s| born)")
 SPEC = st.SEARCH
 RETRIEVER = st.retriever_for(SPEC.kb, SPEC.top_k)
 TEXTS = {p["text"] for p in RETRIEVER.kb.passages}
+
+
+@pytest.fixture(scope="module")
+def words() -> PreTrainedTokenizerFast:
+    """The search model's tokenizer, as its build makes it."""
+    return builtin.make_tokenizer(st.SOURCE)
 
 
 def parse_prompt(prompt: str) -> tuple[str, str, list[tuple[str, str]], str]:
@@ -45,8 +52,10 @@ def samples(kind: int, n: int, seed: int = 0) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("kind", st.KINDS)
-def test_transcripts_are_the_workflow_prompts_byte_for_byte(kind: int) -> None:
-    tokenizer = builtin.char_tokenizer()
+def test_transcripts_are_the_workflow_prompts_byte_for_byte(
+    kind: int, words: PreTrainedTokenizerFast
+) -> None:
+    tokenizer = words
     for prompt, response in samples(kind, 300, seed=kind):
         instruction, question, turns, agent = parse_prompt(prompt)
         assert agent == st.KIND_AGENT[kind]
@@ -231,3 +240,46 @@ def test_copy_drill_repeats_real_passages_within_the_context() -> None:
         assert prompt == f"Repeat.\n{first}\nAgain:" and response == f" {first}"
         assert set(first.split(" | ")) <= TEXTS
         assert len(prompt) + len(response) + 1 <= builtin.TINY_QWEN2["max_position_embeddings"]
+
+
+def test_word_tokenizer_makes_every_name_one_token_wherever_it_is_copied_from(
+    words: PreTrainedTokenizerFast,
+) -> None:
+    """A name is the same single token in the question, the Info line and the action that
+    copies it; so is every job."""
+    assert len(words) <= st.VOCAB_SIZE
+    for prompt, response in [*samples(st.SEARCH_CITY, 100), *samples(st.ANSWER_ONE, 100)]:
+        copied = sp.parse_search(response) or sp.parse_answer(response)
+        assert copied is not None
+        (token,) = words(" " + copied, add_special_tokens=False).input_ids
+        assert token in words(prompt, add_special_tokens=False).input_ids
+        assert token in words(response, add_special_tokens=False).input_ids
+    for person in RETRIEVER.kb.people[:50]:
+        first, last = person.name.split()
+        ids = words(f" {first} {last}", add_special_tokens=False).input_ids
+        assert len(ids) == 2, words.convert_ids_to_tokens(ids)
+
+
+def test_word_tokenizer_round_trips_any_text_and_is_deterministic(
+    words: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    texts = [
+        builtin.ALPHABET,
+        "Question: What is 12+7?\n\\boxed{19} <verify>yes</verify>",
+        "Zyxw qorpt, unseen words; 3.14159 and  two  spaces\n",
+        *[p + r for p, r in samples(st.ANSWER_LAST, 20)],
+    ]
+    for text in texts:
+        ids = words(text, add_special_tokens=False).input_ids
+        assert words.decode(ids) == text
+    # what engines and learners load from the folder gives the same ids
+    builtin.save_tokenizer(words, tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    builtin.check_loaded(loaded, words, "".join(texts), "words")
+    with pytest.raises(RuntimeError, match="does not match"):
+        builtin.check_loaded(loaded, builtin.char_tokenizer(), "".join(texts), "words")
+    again = builtin.make_tokenizer(st.SOURCE)
+    assert again.get_vocab() == words.get_vocab()
+    assert len(words(texts[-1]).input_ids) * 3 < len(texts[-1])  # ~4 characters per token

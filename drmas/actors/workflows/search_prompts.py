@@ -3,16 +3,16 @@ Our own wording.
 
 Each agent's prompt = role instruction + task + team context (earlier agents' outputs and
 the retrieved passages, labelled). `plain` style is plain text (what the tiny
-character-level model is warm-started on); `chat` style wraps the same content in the
-tokenizer's chat template. Passages are rendered by text only in plain style (the tiny
-model's context is 512 characters) and as `[1] (Title) text` in chat style.
+models are warm-started on); `chat` style wraps the same content in the tokenizer's chat
+template. Passages are rendered by text only in plain style (the tiny model has 512
+positions) and as `[1] (Title) text` in chat style.
 
 plain layout (responses start with a space and end with EOS):
 
     {instruction}
     Question: In which country was Bo Taki born?
     Verifier: <verify>no</verify>
-    Search: <search>Bo Taki</search>
+    Search: <search> Bo Taki</search>
     Info: Bo Taki was born in Lumo. | Bo Taki works as a baker.
     Verifier: <verify>no</verify>
     Search:
@@ -120,8 +120,13 @@ def verifier_response(enough: bool) -> str:
 
 
 def search_response(query: str) -> str:
-    return f" <search>{query}</search>"
+    """The warm start's Search action. The space after the tag (the parsers fold it away)
+    makes the query's first word the same token as in the question and the passages for
+    the tiny model's word tokenizer (" Taki", not ">Taki"): copying a name is copying its
+    tokens."""
+    return f" <search> {query}</search>"
 
 
 def answer_response(answer: str) -> str:
-    return f" <answer>{answer}</answer>"
+    """The warm start's Answer action (a space after the tag, as in search_response)."""
+    return f" <answer> {answer}</answer>"
