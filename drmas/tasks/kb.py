@@ -4,8 +4,8 @@ task), and the questions it answers.
 Facts are made up, so no model knows them in advance: the answer has to come from the
 retrieved passages. Every person has two passages (`Bo Taki was born in Lumo.`, `Bo Taki
 works as a baker.`) and every city one (`Lumo is a city in Orsa.`); titles are the entity
-names. Passages stay under ~30 characters because the tiny character-level model has a
-512-character context that holds the question, two searches and three passages each.
+names. Passages stay under ~30 characters, so that the question, two searches and three
+passages each fit the tiny model's 512 positions even one character per token.
 
 Names are syllable words: first names of 2-3 letters (`Bo`, `Kat`), surnames, cities and
 countries of 4 (`Taki`, `Lumo`), the last three drawn without replacement from one pool so

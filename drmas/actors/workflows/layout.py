@@ -1,6 +1,6 @@
 """How a team's prompts are laid out, shared by every workflow's prompt module.
 
-plain (what the tiny character-level models are warm-started on):
+plain (what the tiny builtin models are warm-started on):
 
     {instruction}
     Question: {question}
