@@ -65,6 +65,15 @@ def _fault_kill_mid_sync(join: JoinWeightGroup) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _fault_kill_holding_leases(leases: list[Lease]) -> None:
+    """Fault injection for tests: DRMAS_FAULT_KILL_HOLDING_LEASES=1 SIGKILLs this actor as
+    soon as it has been granted leases, so it dies holding work it will never return (no
+    Goodbye: only missed heartbeats tell the broker; tests/integration/test_faults.py)."""
+    if leases and os.environ.get("DRMAS_FAULT_KILL_HOLDING_LEASES") == "1":
+        log.warning("fault injection: SIGKILL holding %d leases", len(leases))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Actor:
     def __init__(self, cfg: DrmasConfig, actor_id: str) -> None:
         self.cfg = cfg
@@ -174,6 +183,7 @@ class Actor:
                 return 0.0
             raise
         assert self.workflow is not None, "leases are only asked for after start()"
+        _fault_kill_holding_leases(reply.leases)
         for lease in reply.leases:
             self.leases[lease.lease_id] = lease
             self.started_at[lease.lease_id] = time.monotonic()
