@@ -15,14 +15,20 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
 from drmas.launch.ports import free_port
-from tests.integration.conftest import REPO, drmas, read_metrics, read_summary, wait_for
+from tests.integration.conftest import (
+    REPO,
+    drmas,
+    read_metrics,
+    read_summary,
+    retriever_healthy,
+    wait_for,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,14 +37,6 @@ pytestmark = [
 
 AGENTS = ("verifier", "searcher", "answerer")
 STEPS = 2
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False
 
 
 def test_search_experiment_on_gpu_with_http_retriever(tmp_path: Path) -> None:
@@ -52,7 +50,9 @@ def test_search_experiment_on_gpu_with_http_retriever(tmp_path: Path) -> None:
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        wait_for(lambda: _healthy(url), 120, "drmas retriever never answered /health", server)
+        wait_for(
+            lambda: retriever_healthy(url), 120, "drmas retriever never answered /health", server
+        )
         out = drmas(
             "train",
             "experiment=search",

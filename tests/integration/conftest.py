@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -110,3 +111,12 @@ def finish(proc: subprocess.Popen[str], timeout: float = 420) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]
     return out
+
+
+def retriever_healthy(url: str) -> bool:
+    """True once a `drmas retriever` at `url` answers /health with status ok."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return response.status == 200 and json.loads(response.read())["status"] == "ok"
+    except OSError:
+        return False

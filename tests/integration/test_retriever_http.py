@@ -3,26 +3,16 @@ the same passages and scores as the in-process retriever, and stops on SIGTERM."
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 from drmas.launch.ports import free_port
 from drmas.retrieval.bm25 import BM25Retriever
 from drmas.retrieval.http import HttpRetriever
-from tests.integration.conftest import REPO, wait_for
+from tests.integration.conftest import REPO, retriever_healthy, wait_for
 from tests.unit.test_retrieval import write_corpus
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as response:
-            return response.status == 200 and json.loads(response.read())["status"] == "ok"
-    except OSError:
-        return False
 
 
 def test_drmas_retriever_serves_what_bm25_finds(tmp_path: Path) -> None:
@@ -36,7 +26,9 @@ def test_drmas_retriever_serves_what_bm25_finds(tmp_path: Path) -> None:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     try:
-        wait_for(lambda: _healthy(url), 60, "drmas retriever never answered /health", server)
+        wait_for(
+            lambda: retriever_healthy(url), 60, "drmas retriever never answered /health", server
+        )
         queries = ["Zorvath Quell", "where was Zorvath Quell born", "qwxyzzy", "born in"]
         served = HttpRetriever(url, timeout_s=10).search(queries, 3)
         local = BM25Retriever(corpus)  # the server built the index: this one loads it
