@@ -31,7 +31,6 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 """Ids 0, 1, 2."""
 ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
 """Printable ASCII (space, digits, letters, punctuation) and newline: one token each."""
-TOKENIZERS = ("char", "words")
 MAX_LENGTH = 512
 """model_max_length written with the tokenizer (the builtins' max_position_embeddings)."""
 
@@ -43,7 +42,7 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     symbols = _byte_symbols()
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     vocab.update({symbols[ord(char)]: len(SPECIAL_TOKENS) + i for i, char in enumerate(ALPHABET)})
-    return _wrap(models.BPE(vocab=vocab, merges=[], unk_token=None, byte_fallback=False))
+    return _fast(_pipeline(models.BPE(vocab=vocab, merges=[], unk_token=None, byte_fallback=False)))
 
 
 def word_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -61,7 +60,7 @@ def word_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokenize
         show_progress=False,
     )
     core.train_from_iterator(corpus, trainer)
-    return _wrap_core(core)
+    return _fast(core)
 
 
 def _pipeline(model: Model) -> Tokenizer:
@@ -81,11 +80,8 @@ def _pipeline(model: Model) -> Tokenizer:
     return core
 
 
-def _wrap(model: Model) -> PreTrainedTokenizerFast:
-    return _wrap_core(_pipeline(model))
-
-
-def _wrap_core(core: Tokenizer) -> PreTrainedTokenizerFast:
+def _fast(core: Tokenizer) -> PreTrainedTokenizerFast:
+    """The transformers tokenizer around `core`, with our special tokens and left padding."""
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
