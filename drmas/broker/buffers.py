@@ -3,10 +3,13 @@
 A finished group is scored (team reward minus invalid-action penalty per step) and split
 into one *slice* per model: the steps of the agents bound to that model. Each model's
 learner takes batches of `batch_groups` slices. When a batch is cut, advantages are
-computed for all its slices in one vectorised call (drmas/broker/advantages.py), keyed by
-group so statistics stay per group (or pooled, scope=batch). A slice always holds every
-step of its agents in its group, so per-agent statistics are complete. Staleness is
-checked at the cut; a slice that is too stale is dropped and reported to the caller.
+computed in one vectorised call (drmas/broker/advantages.py) over the WHOLE groups its
+slices come from, every agent's steps included, and only then is this model's share taken:
+splitting a group by model never changes a number, so `global` is the true GRPO baseline
+(the team's episode means) and `step_global` pools every step, whichever model serves
+which agent. Statistics stay per group (or pooled over the batch's groups, scope=batch).
+Staleness is checked at the cut; a slice that is too stale is dropped and reported to the
+caller.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from drmas.broker.config import AdvantageConfig
 from drmas.protocol.messages import BatchShard, GroupResult, Sample, Task
 
 
-class SliceColumns(NamedTuple):
-    """Per-step columns of a slice, built when its batch is cut."""
+class StepColumns(NamedTuple):
+    """Per-step columns (of a whole group, or of one model's slice of it)."""
 
     agents: list[str]
     versions: list[int]
@@ -34,43 +37,69 @@ class SliceColumns(NamedTuple):
     rewards: list[float]  # episode team reward per step
     episode_ids: list[int]  # episode index within the group per step
 
+    def take(self, steps: list[int]) -> StepColumns:
+        return StepColumns(
+            agents=[self.agents[i] for i in steps],
+            versions=[self.versions[i] for i in steps],
+            spans=[self.spans[i] for i in steps],
+            scores=[self.scores[i] for i in steps],
+            rewards=[self.rewards[i] for i in steps],
+            episode_ids=[self.episode_ids[i] for i in steps],
+        )
+
 
 @dataclass
-class GroupSlice:
-    """The steps of one group that train one model (advantages come at the cut).
+class ScoredGroup:
+    """One accepted group, shared by all its slices: the columnar buffers and every step's
+    score, built once (at the first cut that needs them)."""
 
-    Holds the group's GroupResult (whose columnar buffers all its slices share) and the
-    flat indices of this model's steps; per-step columns are built only at the cut, so
-    taking a group in costs one pass over its step headers.
-    """
-
-    group_id: int
-    task: Task
     result: GroupResult
-    steps: list[int]  # flat step indices (episode by episode) of this model's steps
     penalty: float  # invalid-action penalty
-    min_version: int  # oldest weight version among these steps
-
-    def __len__(self) -> int:
-        return len(self.steps)
 
     @functools.cached_property
-    def columns(self) -> SliceColumns:
+    def columns(self) -> StepColumns:
         episodes = self.result.episodes
         headers = [h for e in episodes for h in e.steps]
         episode_of = [e for e, episode in enumerate(episodes) for _ in episode.steps]
         p_off = [0, *itertools.accumulate(4 * h.prompt_len for h in headers)]
         r_off = [0, *itertools.accumulate(4 * h.response_len for h in headers)]
-        mine = [headers[i] for i in self.steps]
-        rewards = [episodes[episode_of[i]].reward for i in self.steps]
-        return SliceColumns(
-            agents=[h.agent for h in mine],
-            versions=[h.version for h in mine],
-            spans=[(p_off[i], p_off[i + 1], r_off[i], r_off[i + 1]) for i in self.steps],
-            scores=[r if h.valid else r - self.penalty for h, r in zip(mine, rewards)],
+        rewards = [episodes[e].reward for e in episode_of]
+        return StepColumns(
+            agents=[h.agent for h in headers],
+            versions=[h.version for h in headers],
+            spans=[(p_off[i], p_off[i + 1], r_off[i], r_off[i + 1]) for i in range(len(headers))],
+            scores=[r if h.valid else r - self.penalty for h, r in zip(headers, rewards)],
             rewards=rewards,
-            episode_ids=[episode_of[i] for i in self.steps],
+            episode_ids=episode_of,
         )
+
+
+@dataclass
+class GroupSlice:
+    """The steps of one group that train one model (advantages come at the cut).
+
+    Points at the group's ScoredGroup (whose buffers and columns all its slices share) and
+    holds the flat indices of this model's steps, so taking a group in costs one pass over
+    its step headers.
+    """
+
+    group_id: int
+    task: Task
+    group: ScoredGroup
+    steps: list[int]  # flat step indices (episode by episode) of this model's steps
+    min_version: int  # oldest weight version among these steps
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    @property
+    def result(self) -> GroupResult:
+        return self.group.result
+
+    @functools.cached_property
+    def columns(self) -> StepColumns:
+        """This model's steps only."""
+        return self.group.columns.take(self.steps)
 
 
 @dataclass
@@ -95,49 +124,66 @@ def split_group(
     """Split a (validated) group per model: the broker's intake hot path, so one pass."""
     headers = [h for episode in result.episodes for h in episode.steps]
     models = [agent_models[h.agent] for h in headers]
+    group = ScoredGroup(result, penalty)
     slices = {}
     for model in set(models):
         steps = [i for i, m in enumerate(models) if m == model]
         oldest = min(headers[i].version for i in steps)
-        slices[model] = GroupSlice(group_id, task, result, steps, penalty, oldest)
+        slices[model] = GroupSlice(group_id, task, group, steps, oldest)
     return slices
 
 
-def batch_samples(slices: list[GroupSlice], adv: AdvantageConfig) -> list[Sample]:
-    """Advantages for every step of the batch in one call, as training samples."""
-    cols = [sl.columns for sl in slices]
-    group_ids = np.concatenate([np.full(len(sl), i) for i, sl in enumerate(slices)])
+def slice_advantages(slices: list[GroupSlice], adv: AdvantageConfig) -> list[np.ndarray]:
+    """Advantages of each slice's steps, computed over the whole groups they come from.
+
+    One `compute_advantages` call over every step of every slice's group (all agents, all
+    models), keyed by group; then each slice takes its own steps. So a model's advantages
+    are exactly those of the whole group, in every mode and for any model assignment.
+    """
+    whole = [sl.group.columns for sl in slices]
+    if not whole:
+        return []
     advantages = compute_advantages(
-        np.concatenate([c.scores for c in cols]),
-        group_ids,
-        np.concatenate([c.episode_ids for c in cols]),
-        [agent for c in cols for agent in c.agents],
+        np.concatenate([c.scores for c in whole]),
+        np.concatenate([np.full(len(c.scores), i) for i, c in enumerate(whole)]),
+        np.concatenate([c.episode_ids for c in whole]),
+        [agent for c in whole for agent in c.agents],
         mode=adv.mode,
         norm_by_std=adv.norm_by_std,
         eps=adv.eps,
         std=adv.std,
         scope=adv.scope,
-    ).tolist()
+    )
+    offsets = [0, *itertools.accumulate(len(c.scores) for c in whole)]
+    return [
+        advantages[offset + np.asarray(sl.steps, dtype=np.intp)]
+        for sl, offset in zip(slices, offsets)
+    ]
+
+
+def batch_samples(slices: list[GroupSlice], adv: AdvantageConfig) -> list[Sample]:
+    """This model's steps of the batch, with whole-group advantages, as training samples."""
     samples = []
-    i = 0
-    for sl, c in zip(slices, cols):
+    for sl, advantages in zip(slices, slice_advantages(slices, adv)):
+        c = sl.columns
         prompts, responses, logprobs = (
             sl.result.prompt_ids,
             sl.result.response_ids,
             sl.result.logprobs,
         )
-        for agent, version, (p0, p1, r0, r1) in zip(c.agents, c.versions, c.spans):
+        for agent, version, (p0, p1, r0, r1), a in zip(
+            c.agents, c.versions, c.spans, advantages.tolist()
+        ):
             samples.append(
                 Sample(
                     agent,
                     bytes(prompts[p0:p1]),
                     bytes(responses[r0:r1]),
                     bytes(logprobs[r0:r1]),
-                    float(advantages[i]),
+                    float(a),
                     version,
                 )
             )
-            i += 1
     return samples
 
 

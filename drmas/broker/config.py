@@ -21,7 +21,8 @@ class AdvantageConfig:
     std: str = "unbiased"
     """unbiased (n-1, reference code) or population (n, paper)."""
     scope: str = "group"
-    """group: statistics per prompt group; batch: pooled over the model's training batch."""
+    """group: statistics per prompt group; batch: pooled over the whole groups (every
+    agent's steps) of the model's training batch."""
 
 
 @dataclass
