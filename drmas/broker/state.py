@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 
 from drmas.broker.buffers import ModelBuffer, split_group
@@ -331,6 +332,11 @@ class BrokerState:
                 self.trained_groups[model].add(part.group_id)
                 self.trained_log.append((model, version, part.group_id, part.task.task_id))
             self.counters[f"batches_trained/{model}"] += 1
+        # Optimizer updates the learner skipped for a non-finite gradient norm: the
+        # instability Dr. MAS is about, so a total per model stays in broker_summary.json.
+        skipped = metrics.get(f"skipped_steps/{model}", 0.0)
+        if math.isfinite(skipped) and skipped > 0:
+            self.counters[f"skipped_steps/{model}"] += int(skipped)
         self.metrics.report(version, model, "step", metrics, dict(self.counters))
         self._schedule_eval()
 

@@ -71,7 +71,8 @@ class TrainLoopConfig:
     """How long to train."""
 
     steps: int = 30
-    """Optimizer steps per model."""
+    """Training steps per model: batches, each making learner.ppo_minibatches x
+    learner.ppo_epochs optimizer updates; a model's weight version counts them."""
     progress: bool = True
     """Live progress display (drmas train)."""
 
@@ -202,6 +203,8 @@ def check(cfg: DrmasConfig) -> None:
         "train.steps": cfg.train.steps,
         "learner.world_size": cfg.learner.world_size,
         "learner.micro_batch_size": cfg.learner.micro_batch_size,
+        "learner.ppo_minibatches": cfg.learner.ppo_minibatches,
+        "learner.ppo_epochs": cfg.learner.ppo_epochs,
         "actor.max_groups": cfg.actor.max_groups,
         "sampling.max_new_tokens": cfg.sampling.max_new_tokens,
         "workflow.max_loops": cfg.workflow.max_loops,

@@ -43,6 +43,13 @@ class LearnerConfig:
     """Sequences per forward/backward on one rank."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
+    ppo_minibatches: int = 1
+    """Optimizer updates per pass over a batch: the batch is split into this many
+    mini-batches (the reference's ppo_mini_update_num: 1 in its math recipe, 5 in search).
+    With more than one update, π_old is fixed by a no-grad forward pass over the whole
+    batch before the first update, so the PPO clip can act."""
+    ppo_epochs: int = 1
+    """Passes over each batch (every pass makes ppo_minibatches updates)."""
     device: str = "auto"
     """auto: CUDA (NCCL) when available, else CPU (gloo)."""
     timeout_s: float = 300.0

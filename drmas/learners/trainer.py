@@ -10,6 +10,7 @@ import logging
 import math
 import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,18 @@ def _nothing() -> None:
     pass
 
 
+@dataclass
+class _MiniBatch:
+    """One optimizer update's share of this rank's shard."""
+
+    plan: dict[str, list[MicroBatch]]  # micro-batches per agent (same counts on every rank)
+    tokens: int  # real response tokens of the update over all ranks
+    samples: int  # real sequences of the update over all ranks
+    old_logprobs: dict[str, list[torch.Tensor]] = field(
+        default_factory=dict
+    )  # π_old per micro-batch
+
+
 def hf_name(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
@@ -82,7 +95,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class Trainer:
-    """FSDP2 policy + AdamW for `model`, one optimizer step per batch."""
+    """FSDP2 policy + AdamW for `model`: one or more PPO updates per batch."""
 
     def __init__(
         self,
@@ -132,27 +145,118 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def step(self, shard: BatchShard, tick: Callable[[], None] = _nothing) -> dict[str, float]:
-        """One optimizer step on this rank's shard of a batch; returns the batch's metrics
-        (identical on every rank). `tick` runs before each micro-batch (heartbeats)."""
+        """Train on this rank's shard of a batch: `ppo_epochs` passes of `ppo_minibatches`
+        optimizer updates each; returns the batch's metrics (identical on every rank).
+        `tick` runs before each micro-batch (heartbeats)."""
         self._check(shard)
-        plan = self._plan(shard)
-        self.optimizer.zero_grad(set_to_none=True)
+        minibatches = self._minibatches(shard)
+        several = len(minibatches) * self.cfg.learner.ppo_epochs > 1
+        if several:  # π_old = the policy before the first update, fixed for every update
+            self._fix_old_logprobs(minibatches, tick)
         sums: dict[str, torch.Tensor] = {}
+        norms: list[float] = []
+        agent_norms = torch.zeros(len(self.agents), dtype=torch.float64)
+        agent_updates = torch.zeros(len(self.agents), dtype=torch.float64)
+        skipped = 0
+        for _ in range(self.cfg.learner.ppo_epochs):
+            for mini in minibatches:
+                grad_norm, agent_sq = self._update(mini, sums, tick)
+                norms.append(grad_norm)
+                skipped += not math.isfinite(grad_norm)
+                ran = torch.tensor([bool(mini.plan[a]) for a in self.agents], dtype=torch.float64)
+                agent_norms += agent_sq.sqrt() * ran
+                agent_updates += ran
+        metrics = self._metrics(shard, sums, norms, agent_norms / agent_updates.clamp(min=1))
+        metrics[f"skipped_steps/{self.name}"] = float(skipped)
+        if self.cfg.learner.per_agent_grad_norm:
+            for agent, n in zip(self.agents, agent_updates.tolist()):
+                if not n:
+                    metrics.pop(f"agent_grad_norm/{agent}", None)
+        return metrics
+
+    def _update(
+        self, mini: _MiniBatch, sums: dict[str, torch.Tensor], tick: Callable[[], None]
+    ) -> tuple[float, torch.Tensor]:
+        """One optimizer update on one mini-batch: (pre-clip grad norm, per-agent grad²)."""
+        self.optimizer.zero_grad(set_to_none=True)
         agent_sq = torch.zeros(len(self.agents), dtype=torch.float64)
-        for a, batches in enumerate(plan.values()):
+        for a, agent in enumerate(self.agents):
             before = self._grad_shards() if self.cfg.learner.per_agent_grad_norm else None
-            for mb in batches:
+            for i, mb in enumerate(mini.plan[agent]):
                 tick()
-                self._forward_backward(mb.to(self.device), shard, sums)
-            if before is not None:
+                old = mini.old_logprobs[agent][i] if mini.old_logprobs else None
+                self._forward_backward(mb.to(self.device), mini.tokens, mini.samples, old, sums)
+            if before is not None and mini.plan[agent]:
                 agent_sq[a] = self._delta_sq(before)
+        if self.cfg.learner.per_agent_grad_norm:
+            agent_sq = agent_sq.to(self.device)
+            dist.all_reduce(agent_sq)  # each rank holds its shards' part of every agent's norm
+            agent_sq = agent_sq.cpu()
         grad_norm = self._clip()
         if math.isfinite(grad_norm):
             self.optimizer.step()
         else:
             log.warning("%s: non-finite gradient norm, optimizer step skipped", self.name)
         self.optimizer.zero_grad(set_to_none=True)
-        return self._metrics(shard, plan, sums, agent_sq, grad_norm)
+        return grad_norm, agent_sq
+
+    def _minibatches(self, shard: BatchShard) -> list[_MiniBatch]:
+        """This rank's shard dealt into `ppo_minibatches` parts (sample i -> part i mod M;
+        shards are sorted longest first, so parts get similar lengths), each planned into
+        micro-batches, with the part's real token and sample counts over ALL ranks (its
+        loss normaliser). Parts that are empty on every rank are left out."""
+        count = min(self.cfg.learner.ppo_minibatches, max(1, len(shard.samples)))
+        parts = []
+        for m in range(count):
+            rows = list(range(m, len(shard.samples), count))
+            parts.append(
+                BatchShard(
+                    shard.model,
+                    shard.version,
+                    shard.rank,
+                    shard.world_size,
+                    [shard.samples[i] for i in rows],
+                    [shard.weights[i] for i in rows],
+                    shard.total_samples,
+                    shard.total_tokens,
+                )
+            )
+        if count == 1:  # the batch's own totals (they already cover every rank)
+            totals = [(shard.total_tokens, shard.total_samples)]
+        else:
+            counts = torch.tensor(
+                [
+                    [
+                        sum(len(s.response_ids) // 4 for s, w in zip(p.samples, p.weights) if w),
+                        sum(1 for w in p.weights if w),
+                    ]
+                    for p in parts
+                ],
+                dtype=torch.int64,
+                device=self.device,
+            )  # [M, 2] real tokens, real samples of each part on this rank
+            dist.all_reduce(counts)
+            totals = [(int(t), int(n)) for t, n in counts.cpu().tolist()]
+        return [
+            _MiniBatch(self._plan(part), max(tokens, 1), max(samples, 1))
+            for part, (tokens, samples) in zip(parts, totals)
+            if samples > 0
+        ]
+
+    @torch.no_grad()
+    def _fix_old_logprobs(self, minibatches: list[_MiniBatch], tick: Callable[[], None]) -> None:
+        """π_old's log-probs of every micro-batch, before any update of this batch."""
+        temperature = self.cfg.sampling.temperature
+        for mini in minibatches:
+            for agent in self.agents:
+                mini.old_logprobs[agent] = []
+                for mb in mini.plan[agent]:
+                    tick()
+                    mb = mb.to(self.device)
+                    logprobs, _ = token_logprobs_and_entropy(
+                        self._logits(self.model, mb), mb.targets, temperature, False
+                    )
+                    mini.old_logprobs[agent].append(logprobs)
 
     def _check(self, shard: BatchShard) -> None:
         if (shard.model, shard.rank, shard.world_size) != (self.name, self.rank, self.world_size):
@@ -181,8 +285,15 @@ class Trainer:
         return plan
 
     def _forward_backward(
-        self, mb: MicroBatch, shard: BatchShard, sums: dict[str, torch.Tensor]
+        self,
+        mb: MicroBatch,
+        total_tokens: int,
+        total_samples: int,
+        old_logprobs: torch.Tensor | None,
+        sums: dict[str, torch.Tensor],
     ) -> None:
+        """`total_*`: the update's real token/sample counts over all ranks (loss normaliser);
+        `old_logprobs` None: π_old is the current policy (one update per batch)."""
         logits = self._logits(self.model, mb)  # [B, L-1, V]
         temperature = self.cfg.sampling.temperature
         logprobs, entropy = token_logprobs_and_entropy(
@@ -195,9 +306,10 @@ class Trainer:
                 ref_logprobs, _ = token_logprobs_and_entropy(
                     ref_logits, mb.targets, temperature, False
                 )
-        # One optimizer step per batch, so π_old (the policy the batch is trained from) is
-        # exactly the current π_θ before the update: its log-probs are ours, detached.
-        old_logprobs = logprobs.detach()
+        if old_logprobs is None:
+            # One update per batch: π_old (the policy the batch is trained from) is exactly
+            # the current π_θ before the update, so its log-probs are ours, detached.
+            old_logprobs = logprobs.detach()
         loss, metrics = policy_loss(
             logprobs,
             old_logprobs,
@@ -205,13 +317,13 @@ class Trainer:
             mb.advantages,
             mb.mask,
             self.loss_cfg,
-            total_tokens=shard.total_tokens,
-            total_samples=shard.total_samples,
+            total_tokens=total_tokens,
+            total_samples=total_samples,
             entropy=entropy,
             ref_logprobs=ref_logprobs,
         )
-        # The loss is this micro-batch's share of the global batch loss, so the batch
-        # gradient is the SUM over ranks; FSDP reduce-scatter AVERAGES over ranks.
+        # The loss is this micro-batch's share of the update's loss, so the update's gradient
+        # is the SUM over ranks; FSDP reduce-scatter AVERAGES over ranks.
         (loss * self.world_size).backward()
         metrics["loss"] = loss.detach()
         for key, value in metrics.items():
@@ -252,30 +364,35 @@ class Trainer:
     def _metrics(
         self,
         shard: BatchShard,
-        plan: dict[str, list[MicroBatch]],
         sums: dict[str, torch.Tensor],
-        agent_sq: torch.Tensor,
-        grad_norm: float,
+        norms: list[float],
+        agent_norms: torch.Tensor,
     ) -> dict[str, float]:
+        """Means over the batch's updates: loss per update, token metrics per trained token
+        (every token is trained once per epoch), gradient norms per update (pre-clip)."""
         keys = sorted(sums)  # the same on every rank: every rank ran the same micro-batches
-        packed = torch.cat([torch.stack([sums[k] for k in keys]), agent_sq]).to(self.device)
+        packed = torch.stack([sums[k] for k in keys]).to(self.device)
         dist.all_reduce(packed)
-        packed = packed.cpu()
-        totals = dict(zip(keys, packed[: len(keys)].tolist()))
+        totals = dict(zip(keys, packed.cpu().tolist()))
         m = self.name
-        tokens = max(shard.total_tokens, 1)
+        updates = max(len(norms), 1)
+        tokens = max(shard.total_tokens, 1) * self.cfg.learner.ppo_epochs
+        finite = [n for n in norms if math.isfinite(n)]
         metrics = {
-            f"loss/{m}": totals.pop("loss"),
-            f"grad_norm/{m}": grad_norm,
+            f"loss/{m}": totals.pop("loss") / updates,
+            f"grad_norm/{m}": sum(norms) / updates,
+            f"grad_norm_max/{m}": max(norms, default=0.0),
+            f"updates/{m}": float(len(norms)),
             f"lr/{m}": float(self.optimizer.param_groups[0]["lr"]),
             f"tokens/{m}": float(shard.total_tokens),
             f"samples/{m}": float(shard.total_samples),
         }
+        if len(finite) < len(norms):  # keep the batch's norm readable beside the skip count
+            metrics[f"grad_norm/{m}"] = sum(finite) / len(finite) if finite else math.inf
         metrics |= {f"{_TOKEN_MEANS[k]}/{m}": v / tokens for k, v in totals.items()}
         if self.cfg.learner.per_agent_grad_norm:
-            for agent, sq in zip(self.agents, packed[len(keys) :].tolist()):
-                if plan[agent]:
-                    metrics[f"agent_grad_norm/{agent}"] = math.sqrt(sq)
+            for agent, norm in zip(self.agents, agent_norms.tolist()):
+                metrics[f"agent_grad_norm/{agent}"] = norm
         return metrics
 
     # ------------------------------------------------------------------ weights out

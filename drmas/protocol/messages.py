@@ -55,7 +55,7 @@ class Hello(_Msg, tag="hello"):
 # broker -> any: answer to Hello.
 class Welcome(_Msg, tag="welcome"):
     run_id: str
-    model_versions: dict[str, int]  # model -> current weight version (optimizer steps)
+    model_versions: dict[str, int]  # model -> current weight version (batches trained)
     agent_models: dict[str, str]  # agent -> model it is bound to
     heartbeat_interval_s: float
 
@@ -301,7 +301,7 @@ class NoBatch(_Msg, tag="no_batch"):
     republish: bool = False  # some actors hold older weights: publish the current version again
 
 
-# learner rank 0 -> broker after each optimizer step; no reply.
+# learner rank 0 -> broker after each trained batch (its PPO updates); no reply.
 class StepReport(_Msg, tag="step_report"):
     model: str
     version: int  # new version after the step
@@ -376,7 +376,7 @@ class ActorStatus(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ModelStatus(msgspec.Struct, forbid_unknown_fields=True):
-    version: int  # optimizer steps taken
+    version: int  # batches trained
     buffered_groups: int
     batches_cut: int
     learner_ranks: int

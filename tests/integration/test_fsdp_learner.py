@@ -171,6 +171,59 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
 
 
+@pytest.fixture(scope="module")
+def ppo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Several PPO updates per batch: 2 mini-batches x 2 epochs at a large lr, on 1 and on 2
+    ranks (lopsided shards: the ranks must agree on each update's micro-batches); and one
+    1-rank run whose first mini-batch has a NaN advantage (its update must be skipped)."""
+    tmp = tmp_path_factory.mktemp("ppo")
+    model_dir = tiny_qwen2(tmp / "model")
+    cfg = make_config(model_dir)
+    cfg.models[MODEL].lr = 1e-2
+    cfg.learner.ppo_minibatches, cfg.learner.ppo_epochs = 2, 2
+    samples = make_samples()
+    nan_cfg = make_config(model_dir)
+    nan_cfg.learner.ppo_minibatches = 2
+    poisoned = list(samples)
+    poisoned[0] = Sample(
+        **{
+            **{f: getattr(samples[0], f) for f in samples[0].__struct_fields__},
+            "advantage": float("nan"),
+        }
+    )
+    return {
+        "one": run_world(1, cfg, shards(samples, 1), tmp / "one.pt"),
+        "two": run_world(2, cfg, shards(samples, 2), tmp / "two.pt"),
+        "nan": run_world(1, nan_cfg, shards(poisoned, 1), tmp / "nan.pt"),
+    }
+
+
+def test_several_updates_per_batch_let_the_clip_act(ppo_runs: dict) -> None:
+    for world in ("one", "two"):
+        m = ppo_runs[world]["metrics"]
+        assert m[f"updates/{MODEL}"] == 4.0, world
+        assert m[f"skipped_steps/{MODEL}"] == 0.0, world
+        # π_old is fixed before the first update: later updates see ratios away from 1, and
+        # at lr 1e-2 some leave the [0.8, 1.2] trust region.
+        assert m[f"clip_frac/{MODEL}"] > 0.0, world
+        assert m[f"ppo_kl/{MODEL}"] != 0.0, world
+        assert m[f"grad_norm_max/{MODEL}"] >= m[f"grad_norm/{MODEL}"] > 0.0, world
+        for name, after in ppo_runs[world]["after"].items():
+            assert torch.isfinite(after).all(), (world, name)
+
+
+def test_non_finite_update_is_skipped_and_counted(ppo_runs: dict) -> None:
+    run = ppo_runs["nan"]
+    m = run["metrics"]
+    assert m[f"updates/{MODEL}"] == 2.0
+    assert m[f"skipped_steps/{MODEL}"] == 1.0  # the NaN advantage's mini-batch
+    # The other mini-batch's update still happened, and no NaN reached the weights.
+    moved = max((run["after"][n] - run["before"][n]).abs().max() for n in run["before"])
+    assert moved > 1e-5
+    for name, after in run["after"].items():
+        assert torch.isfinite(after).all(), name
+
+
 def test_two_ranks_match_one_rank(runs: dict) -> None:
     one, two, cfg = runs["one"], runs["two"], runs["cfg"]
     # Same starting point, and the step moved the weights well beyond the tolerance.

@@ -284,3 +284,13 @@ def test_a_model_called_in_few_episodes_still_gets_all_its_batches():
     assert versions == dict.fromkeys(models, 3)
     assert st.counters["groups_trained_twice"] == 0
     assert st.counters["slices_after_last_batch/verifier"] > 0  # groups only the searcher needed
+
+
+def test_skipped_optimizer_updates_are_totalled_per_model():
+    st = make_state()
+    st.step_report("solver", 1, {"skipped_steps/solver": 2.0})
+    st.step_report("solver", 2, {"skipped_steps/solver": 0.0})
+    st.step_report("verifier", 1, {"skipped_steps/verifier": 1.0})
+    st.step_report("solver", 3, {"skipped_steps/solver": 1.0})
+    assert st.counters["skipped_steps/solver"] == 3
+    assert st.counters["skipped_steps/verifier"] == 1
