@@ -6,6 +6,7 @@
     drmas actor   [overrides] [--config F]    a rollout actor; attach more at any time
     drmas learner --model M [overrides]       one learner rank (under torchrun for R > 1)
     drmas retriever [overrides]               serve retriever.name (bm25/dense) over HTTP
+    drmas probe   [overrides] [--config F]    Lemma 4.2 on the team's learner: RUN_DIR/probe.json
     drmas status  ADDRESS [--json] [--keys D] what is attached to a running broker
     drmas keys    DIR [--clients a,b]         CURVE key pairs for broker and clients
 
@@ -45,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     learner = role("learner", "run one learner rank (RANK/WORLD_SIZE/MASTER_* from torchrun)")
     learner.add_argument("--model", required=True, help="which model this learner group trains")
     role("retriever", "serve a bm25 or dense index over HTTP (Search-R1's /retrieve API)")
+    role(
+        "probe",
+        "measure each agent's gradient second moment under global baselines vs agent-wise "
+        "advantages (probe.rewards='{agent: [mean, std], ...}' for synthetic scores)",
+    )
     status = sub.add_parser("status", help="show actors, versions and counters of a running broker")
     status.add_argument("address", help="broker address, e.g. tcp://127.0.0.1:5555")
     status.add_argument("--json", action="store_true", help="print JSON")
@@ -145,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(run_dir / "config.yaml")
         return 0
+    if args.command == "probe":
+        from drmas.launch.probe import run_probe
+
+        try:
+            return run_probe(cfg)
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"drmas probe: {exc}", file=sys.stderr)
+            return 2
     from drmas.transports.security import SecurityError
 
     try:

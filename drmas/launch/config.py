@@ -7,6 +7,7 @@ Each process then reads only its own slice. No torch import here (`drmas --help`
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import get_args
 from drmas.actors.config import ActorConfig, EngineName, SamplingConfig, WorkflowConfig
 from drmas.broker.config import AdvantageConfig, AdvantageMode, BrokerConfig
 from drmas.checkpoints.config import CheckpointConfig
-from drmas.learners.config import ISCorrection, LearnerConfig, LossAgg, LossConfig
+from drmas.learners.config import ISCorrection, LearnerConfig, LossAgg, LossConfig, ProbeConfig
 from drmas.models.config import ModelConfig
 from drmas.retrieval.config import RETRIEVERS, RetrieverConfig
 from drmas.tasks.config import TaskConfig
@@ -116,6 +117,7 @@ class DrmasConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
 
     def __post_init__(self) -> None:
         check(self)
@@ -248,8 +250,39 @@ def check(cfg: DrmasConfig) -> None:
         )
     if cfg.workflow.name == "search":
         _check_search(cfg)
+    _check_probe(cfg)
     if cfg.group_size < 2 and cfg.algorithm.advantage.scope == "group":
         raise ConfigError("group_size must be >= 2 for group-relative advantages")
+
+
+def _check_probe(cfg: DrmasConfig) -> None:
+    p = cfg.probe
+    unknown = sorted(set(p.rewards) - set(cfg.agents))
+    if unknown:
+        raise ConfigError(
+            f"probe.rewards names {unknown}, which are not agents {sorted(cfg.agents)}"
+        )
+    if p.rewards and set(p.rewards) != set(cfg.agents):
+        raise ConfigError(
+            f"probe.rewards must give [mean, std] for every agent {sorted(cfg.agents)}, "
+            f"got {sorted(p.rewards)}"
+        )
+    for agent, dist in p.rewards.items():
+        numbers = all(isinstance(x, (int, float)) and math.isfinite(x) for x in dist)
+        if len(dist) != 2 or not numbers or not dist[1] >= 0:
+            raise ConfigError(f"probe.rewards.{agent} must be [mean, std >= 0], got {list(dist)}")
+        p.rewards[agent] = [float(x) for x in dist]
+    bad = sorted(set(p.baselines) - {"global", "step_global", "agent_mean", "agent_std"})
+    if bad or not p.baselines:
+        raise ConfigError(
+            f"probe.baselines={list(p.baselines)}: use global, step_global (and the ablations "
+            "agent_mean, agent_std)"
+        )
+    if p.groups < 2 or p.group_size == 1 or p.group_size < 0 or p.bootstrap < 1:
+        raise ConfigError(
+            "probe.groups must be >= 2, probe.group_size 0 (the run's) or >= 2, "
+            "probe.bootstrap >= 1"
+        )
 
 
 def _check_search(cfg: DrmasConfig) -> None:
@@ -280,6 +313,18 @@ def register() -> None:
     ConfigStore.instance().store(name="drmas_schema", node=DrmasConfig)
 
 
+# Free-form mappings that start empty: hydra refuses `key={...}` on them ("use +key"), so
+# their plain overrides are taken as `++key=...` (set or replace).
+_FREE_MAPPINGS = ("probe.rewards",)
+
+
+def _free_mapping_override(override: str) -> str:
+    key = override.split("=", 1)[0]
+    if any(key == m or key.startswith(m + ".") for m in _FREE_MAPPINGS):
+        return "++" + override
+    return override
+
+
 def load_config(overrides: list[str], config_file: str | None = None) -> DrmasConfig:
     """Compose configs/config.yaml (or a resolved config.yaml of a run) with overrides."""
     from hydra import compose, initialize_config_dir
@@ -298,7 +343,9 @@ def load_config(overrides: list[str], config_file: str | None = None) -> DrmasCo
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
         else:
             with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-                merged = compose(config_name="config", overrides=overrides)
+                merged = compose(
+                    config_name="config", overrides=[_free_mapping_override(o) for o in overrides]
+                )
         obj = OmegaConf.to_object(merged)
     except (HydraException, OmegaConfBaseException) as exc:
         hint = ""

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 ISCorrection = Literal["tis", "mask", "none"]
@@ -60,3 +60,22 @@ class LearnerConfig:
     """torch.distributed rendezvous port of the group (0 = free port; drmas train only)."""
     poll_s: float = 0.05
     """Wait between batch requests when the broker has none ready."""
+
+
+@dataclass
+class ProbeConfig:
+    """`drmas probe`: Lemma 4.2 measured with the learner's own loss (drmas/learners/probe.py)."""
+
+    rewards: dict[str, list[Any]] = field(default_factory=dict)
+    """Synthetic mode: agent -> [mean, std]; each of its steps scores a normal draw,
+    independent of the sampled actions. Empty = sampled mode: the team's real scores."""
+    groups: int = 64
+    """Groups to sample (each of group_size episodes, from the training tasks)."""
+    group_size: int = 0
+    """Episodes per group; 0 = the run's group_size."""
+    seed: int = 0
+    """Task draw, engine sampling and synthetic scores."""
+    baselines: list[str] = field(default_factory=lambda: ["global", "step_global"])
+    """Global baselines to compare with agent-wise advantages."""
+    bootstrap: int = 2000
+    """Bootstrap resamples of the groups for the 95 % intervals."""

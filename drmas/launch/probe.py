@@ -1,0 +1,232 @@
+"""`drmas probe`: the Dr. MAS Lemma 4.2 measured with the team's own actors and learner.
+
+    drmas probe [overrides] [--config RUN/config.yaml]
+        probe.rewards='{solver: [0, 3], verifier: [1, 0.3]}'   synthetic scores (optional)
+        probe.groups=64 probe.group_size=8 probe.seed=0
+
+One process, no broker: the actor's workflow and engines (actor.engine, frozen weights)
+sample `probe.groups` groups of training tasks; every step is scored (synthetic: a normal
+draw per step from its agent's [mean, std], independent of the actions, where the lemma is
+exact; sampled: the team's real score, reward minus the invalid-action penalty);
+advantages are computed over each whole group under `agent` and each baseline; and a
+world-1 learner (the FSDP2 Trainer of each model, gloo on CPU) measures every agent's
+gradient second moment under each (drmas/learners/probe.py). Writes RUN_DIR/probe.json and
+RUN_DIR/probe.png.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from drmas.broker.advantages import compute_advantages
+from drmas.launch.config import DrmasConfig
+from drmas.launch.ports import free_port
+from drmas.launch.train import prepare_run
+from drmas.protocol.messages import Episode, Sample, SamplingParams, Task
+
+log = logging.getLogger("drmas.probe")
+
+
+def run_probe(cfg: DrmasConfig) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from drmas.learners.main import learner_device
+    from drmas.learners.probe import AgentRows, grad_sq_norms, summarise
+    from drmas.learners.trainer import Trainer
+
+    torch.set_num_threads(max(1, int(os.environ.get("DRMAS_TORCH_THREADS", "2"))))
+    cfg, run_dir = prepare_run(cfg)
+    p = cfg.probe
+    size = p.group_size or cfg.group_size
+    mode = "synthetic" if p.rewards else "sampled"
+    start = time.monotonic()
+    groups = asyncio.run(sample_groups(cfg, p.groups, size, p.seed))
+    sampled_s = time.monotonic() - start
+    log.info("sampled %d groups of %d episodes in %.1fs", len(groups), size, sampled_s)
+
+    device = learner_device(cfg.learner.device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+    )
+    try:
+        trainers = {m: Trainer(cfg, m, 0, 1, device) for m in sorted(cfg.models)}
+        rng = np.random.default_rng(p.seed)
+        modes = ["agent", *p.baselines]
+        rows: dict[str, AgentRows] = {a: AgentRows() for a in cfg.agents}
+        scores_by_agent: dict[str, list[float]] = {a: [] for a in cfg.agents}
+        for episodes in groups:
+            steps = [(e, s) for e, ep in enumerate(episodes) for s in ep.steps]
+            agents = [s.agent for _, s in steps]
+            scores = step_scores(cfg, episodes, rng)
+            adv = {
+                m: compute_advantages(
+                    scores,
+                    np.zeros(len(steps), dtype=np.int64),
+                    [e for e, _ in steps],
+                    agents,
+                    mode=m,
+                    norm_by_std=cfg.algorithm.advantage.norm_by_std,
+                    eps=cfg.algorithm.advantage.eps,
+                    std=cfg.algorithm.advantage.std,
+                )
+                for m in modes
+            }
+            for agent in cfg.agents:
+                idx = [i for i, a in enumerate(agents) if a == agent]
+                if not idx:
+                    continue  # an agent this group never called (the Search Agent)
+                samples = [_sample(steps[i][1]) for i in idx]
+                mine = {m: adv[m][idx] for m in modes}
+                trainer = trainers[cfg.model_of(agent)]
+                rows[agent].add(grad_sq_norms(trainer, samples, mine), mine)
+                scores_by_agent[agent] += [float(scores[i]) for i in idx]
+        rows = {a: r for a, r in rows.items() if r.grad_sq}
+        result: dict[str, Any] = {
+            "mode": mode,
+            "agents": summarise(rows, p.baselines, p.bootstrap, p.seed),
+            "scores": {
+                a: {"mean": float(np.mean(v)), "std": float(np.std(v)), "steps": len(v)}
+                for a, v in scores_by_agent.items()
+                if v
+            },
+            "rewards": {a: list(v) for a, v in p.rewards.items()},
+            "groups": len(groups),
+            "group_size": size,
+            "seed": p.seed,
+            "advantage": dataclasses.asdict(cfg.algorithm.advantage),
+            "models": {a: cfg.model_of(a) for a in cfg.agents},
+            "sampled_s": sampled_s,
+            "wall_s": time.monotonic() - start,
+        }
+    finally:
+        dist.destroy_process_group()
+    (run_dir / "probe.json").write_text(json.dumps(result, indent=2))
+    plot(result, run_dir / "probe.png")
+    print(format_table(result))
+    print(f"drmas probe: wrote {run_dir / 'probe.json'} and {run_dir / 'probe.png'}")
+    return 0
+
+
+async def sample_groups(cfg: DrmasConfig, count: int, size: int, seed: int) -> list[list[Episode]]:
+    """`count` groups of `size` episodes on training tasks drawn with `seed`, by the actor's
+    workflow over engines holding the models' current (frozen) weights."""
+    from drmas.actors.engines import make_engine
+    from drmas.actors.main import make_workflow
+    from drmas.tasks.source import TaskSource
+
+    engines = {}
+    for model in sorted(cfg.models):
+        pool = cfg.actor.engine_of(model)
+        engine = make_engine(
+            model, cfg.models[model].path, dataclasses.replace(pool, seed=pool.seed + seed)
+        )
+        await engine.start()
+        engines[model] = engine
+    workflow = make_workflow(
+        cfg,
+        {a: cfg.model_of(a) for a in cfg.agents},
+        dict(engines),
+        {m: e.tokenizer for m, e in engines.items()},
+    )
+    source = TaskSource(cfg.task)
+    pick = random.Random(f"drmas.probe:{seed}")
+    tasks: list[Task] = [pick.choice(source.train) for _ in range(count)]
+    s = cfg.sampling
+    sampling = SamplingParams(s.temperature, s.top_p, s.max_new_tokens)
+    limit = asyncio.Semaphore(max(1, cfg.actor.max_groups))
+
+    async def one(task: Task) -> list[Episode]:
+        async with limit:
+            return await workflow.run_group(task, sampling, size)
+
+    try:
+        return list(await asyncio.gather(*(one(t) for t in tasks)))
+    finally:
+        await workflow.close()
+        for engine in engines.values():
+            await engine.close()
+
+
+def step_scores(cfg: DrmasConfig, episodes: list[Episode], rng: np.random.Generator) -> np.ndarray:
+    """One score per step (episode by episode): synthetic draws, or reward minus penalty."""
+    rewards = cfg.probe.rewards
+    penalty = cfg.algorithm.invalid_action_penalty
+    out = []
+    for episode in episodes:
+        for step in episode.steps:
+            if rewards:
+                mean, std = rewards[step.agent]
+                out.append(rng.normal(mean, std))
+            else:
+                out.append(episode.reward - (0.0 if step.valid else penalty))
+    return np.asarray(out, dtype=np.float64)
+
+
+def _sample(step: Any) -> Sample:
+    return Sample(step.agent, step.prompt_ids, step.response_ids, step.logprobs, 0.0, step.version)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"Lemma 4.2 probe ({result['mode']}, {result['groups']} groups of "
+        f"{result['group_size']}): E|g_k|^2 under a baseline / under agent-wise",
+        f"{'agent':<12}{'baseline':<13}{'predicted':>10}{'measured':>10}   95% CI",
+    ]
+    for agent, by_base in result["agents"].items():
+        for base, r in by_base.items():
+            lo, hi = r["ci95"]
+            lines.append(
+                f"{agent:<12}{base:<13}{r['predicted_factor']:>10.3f}"
+                f"{r['measured_ratio']:>10.3f}   [{lo:.3f}, {hi:.3f}]"
+            )
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """One panel per baseline: predicted factor and measured ratio (with its 95 % CI) per
+    agent, on a log axis with the agent-wise level 1 marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    agents = list(result["agents"])
+    baselines = list(next(iter(result["agents"].values()))) if agents else []
+    fig, axes = plt.subplots(
+        1, max(1, len(baselines)), figsize=(4.5 * max(1, len(baselines)), 3.8), squeeze=False
+    )
+    x = np.arange(len(agents))
+    for ax, base in zip(axes[0], baselines):
+        rows = [result["agents"][a][base] for a in agents]
+        predicted = [r["predicted_factor"] for r in rows]
+        measured = [r["measured_ratio"] for r in rows]
+        err = np.array(
+            [[m - r["ci95"][0], r["ci95"][1] - m] for m, r in zip(measured, rows)]
+        ).T.reshape(2, -1)
+        ax.bar(x - 0.2, predicted, 0.4, label="predicted F_k")
+        ax.bar(x + 0.2, measured, 0.4, yerr=err, capsize=4, label="measured (95% CI)")
+        ax.axhline(1.0, color="grey", lw=1, ls="--")
+        ax.set_yscale("log")
+        ax.set_xticks(x, agents)
+        ax.set_xlabel("agent")
+        ax.set_ylabel("E|g_k|^2 ratio to agent-wise")
+        ax.set_title(f"{base} baseline ({result['mode']})")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Lemma 4.2 probe: {result['groups']} groups of {result['group_size']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

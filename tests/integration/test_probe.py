@@ -1,0 +1,67 @@
+"""`drmas probe` end to end: the default team's builtin models, real hf engines sampling
+groups, and the FSDP2 learner measuring each agent's gradient second moment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.image as mpimg
+import pytest
+
+from tests.integration.conftest import drmas
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "group_size=4",
+    "models.solver.warmstart.steps=60",
+    "models.verifier.warmstart.steps=60",
+    "probe.group_size=4",
+]
+
+
+def test_synthetic_probe_shows_inflation_and_deflation(tmp_path: Path, model_cache: Path):
+    # Solver scores N(0, 3), Verifier N(1, 0.3): pooled over all steps (step_global) the
+    # team's σ² is about half the Solver's σ_k², so its gradient is inflated (F ≈ 1.7) and
+    # the Verifier's deflated (F ≈ 0.16); agent-wise normalisation makes both 1.
+    run = tmp_path / "syn"
+    out = drmas(
+        "probe", *SMALL, f"run.dir={run}", f"run.cache_dir={model_cache}",
+        "probe.rewards={solver: [0, 3], verifier: [1, 0.3]}", "probe.groups=24",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((run / "probe.json").read_text())
+    assert result["mode"] == "synthetic" and result["groups"] == 24
+    agents = result["agents"]
+    assert set(agents) == {"solver", "verifier"}
+    for by_base in agents.values():
+        assert set(by_base) == {"global", "step_global"}
+        for r in by_base.values():
+            lo, hi = r["ci95"]
+            assert lo <= r["measured_ratio"] <= hi and r["n_groups"] == 24
+    solver, verifier = agents["solver"]["step_global"], agents["verifier"]["step_global"]
+    assert solver["predicted_factor"] > 1.3 and solver["measured_ratio"] > 1.1
+    assert verifier["predicted_factor"] < 0.4 and verifier["measured_ratio"] < 0.6
+    image = mpimg.imread(run / "probe.png")
+    assert image.shape[0] > 100 and image.shape[1] > 300
+    assert "step_global" in out.stdout  # the table is printed
+
+
+def test_sampled_probe_uses_the_teams_real_scores(tmp_path: Path, model_cache: Path):
+    run = tmp_path / "sampled"
+    out = drmas("probe", *SMALL, f"run.dir={run}", f"run.cache_dir={model_cache}", "probe.groups=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((run / "probe.json").read_text())
+    assert result["mode"] == "sampled" and result["rewards"] == {}
+    # Real scores are team rewards (0/1) minus the 0.1 penalty of an unparseable action.
+    for agent, s in result["scores"].items():
+        assert -0.1 <= s["mean"] <= 1.0 and s["steps"] >= 4 * 4 // 4, agent
+    for by_base in result["agents"].values():
+        assert set(by_base) == {"global", "step_global"}
+
+
+def test_probe_refuses_rewards_for_part_of_the_team(tmp_path: Path):
+    out = drmas("probe", f"run.dir={tmp_path}", "probe.rewards={solver: [0, 1]}", timeout=60)
+    assert out.returncode == 2
+    assert "probe.rewards must give [mean, std] for every agent" in out.stderr
