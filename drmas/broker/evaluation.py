@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from math import comb
+from math import comb, sqrt
 
 from drmas.protocol.messages import Task
 
@@ -26,6 +27,8 @@ class EvalRound:
     successes: dict[str, int] = field(default_factory=dict)  # task_id -> successes of n
     sums: dict[str, float] = field(default_factory=dict)  # workflow metric -> sum
     counts: dict[str, int] = field(default_factory=dict)  # workflow metric -> episodes
+    # workflow metric -> per-task means (for the standard error over tasks)
+    task_means: dict[str, list[float]] = field(default_factory=dict)
 
     def record(
         self, task: Task, rewards: list[float], metrics: list[dict[str, float]] | None = None
@@ -36,21 +39,42 @@ class EvalRound:
         if task.task_id in self.successes:
             return
         self.successes[task.task_id] = sum(r >= 1.0 for r in rewards)
+        mine: dict[str, list[float]] = {}
         for episode in metrics or []:
             for name, value in episode.items():
                 self.sums[name] = self.sums.get(name, 0.0) + value
                 self.counts[name] = self.counts.get(name, 0) + 1
+                mine.setdefault(name, []).append(value)
+        for name, values in mine.items():
+            self.task_means.setdefault(name, []).append(sum(values) / len(values))
 
     @property
     def complete(self) -> bool:
         return len(self.successes) == len(self.tasks)
 
     def metrics(self) -> dict[str, float]:
+        """Means over tasks, each with `<key>/se`: its standard error over the tasks (sample
+        std / sqrt(tasks); the n samples of one task are not independent, the tasks are)."""
         counts = list(self.successes.values())
-        return {
-            f"val/avg@{self.k}": sum(c / self.n for c in counts) / len(counts),
-            f"val/pass@{self.k}": sum(pass_at_k(self.n, c, self.k) for c in counts) / len(counts),
-            "val/pass@1": sum(pass_at_k(self.n, c, 1) for c in counts) / len(counts),
-            "val/tasks": float(len(counts)),
-            **{f"val/{name}": total / self.counts[name] for name, total in self.sums.items()},
+        per_task = {
+            f"val/avg@{self.k}": [c / self.n for c in counts],
+            f"val/pass@{self.k}": [pass_at_k(self.n, c, self.k) for c in counts],
+            "val/pass@1": [pass_at_k(self.n, c, 1) for c in counts],
         }
+        out = {"val/tasks": float(len(counts))}
+        for key, values in per_task.items():
+            out[key] = sum(values) / len(values)
+            out[f"{key}/se"] = standard_error(values)
+        for name, total in self.sums.items():
+            out[f"val/{name}"] = total / self.counts[name]
+            out[f"val/{name}/se"] = standard_error(self.task_means.get(name, []))
+        return out
+
+
+def standard_error(values: Sequence[float]) -> float:
+    """Standard error of the mean of independent values; 0 for fewer than two."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    return sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)

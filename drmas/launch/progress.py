@@ -37,8 +37,14 @@ class MetricsTail:
 def _fmt(line: dict[str, Any], agents: list[str], steps: int) -> str:
     parts = [f"step {line['step']:>4}/{steps}"]
     if "val/tasks" in line:
-        keys = sorted(k for k in line if k.startswith("val/") and k != "val/tasks")
-        return parts[0] + "  validation  " + "  ".join(f"{k}={line[k]:.3f}" for k in keys)
+        keys = sorted(
+            k for k in line if k.startswith("val/") and k != "val/tasks" and not k.endswith("/se")
+        )
+        shown = [
+            f"{k}={line[k]:.3f}" + (f"±{line[k + '/se']:.3f}" if k + "/se" in line else "")
+            for k in keys
+        ]
+        return parts[0] + f"  validation ({line['val/tasks']:.0f} tasks, ±SE)  " + "  ".join(shown)
     for agent in agents:
         if f"reward/{agent}/mean" in line:
             parts.append(f"{agent} reward {line[f'reward/{agent}/mean']:.3f}")

@@ -250,6 +250,11 @@ def test_episode_metrics_become_rollout_means_per_line_and_val_means_per_round()
     rnd.record(Task("b", "q", "y"), [0.0, 0.0], [{"f1": 0.0}, {"f1": 0.5}])
     out = rnd.metrics()
     assert out["val/f1"] == 0.5 and out["val/avg@2"] == 0.25 and out["val/pass@2"] == 0.5
+    # Standard errors over the 2 tasks: avg@2 per task 0.5, 0 -> sample std sqrt(0.125),
+    # se = sqrt(0.125 / 2) = 0.25; f1 per task 0.75, 0.25 -> se 0.25 as well.
+    assert out["val/avg@2/se"] == pytest.approx(0.25)
+    assert out["val/pass@2/se"] == pytest.approx(0.5)  # pass@2 per task 1, 0
+    assert out["val/f1/se"] == pytest.approx(0.25)
 
 
 def test_a_model_called_in_few_episodes_still_gets_all_its_batches():
