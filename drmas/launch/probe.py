@@ -45,7 +45,7 @@ def run_probe(cfg: DrmasConfig) -> int:
     from drmas.learners.probe import AgentRows, grad_sq_norms, summarise
     from drmas.learners.trainer import Trainer
 
-    torch.set_num_threads(max(1, int(os.environ.get("DRMAS_TORCH_THREADS", "2"))))
+    torch.set_num_threads(max(1, int(os.environ.get("DRMAS_TORCH_THREADS", "1"))))
     cfg, run_dir = prepare_run(cfg)
     p = cfg.probe
     size = p.group_size or cfg.group_size
