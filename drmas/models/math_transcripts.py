@@ -7,6 +7,7 @@ about half the time (REFERENCE.md, calibration).
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from drmas.actors.workflows.math_prompts import (
     verifier_response,
 )
 from drmas.models.warmstart import Pairs, TranscriptSource, generate
+from drmas.tasks import arithmetic
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -51,6 +53,11 @@ class ArithmeticSpec:
     two later kinds are 2-3x longer; a few percent teaches their format, and more of them
     (within the same build time) costs Solver accuracy without making the tiny Verifier
     judge better than chance: RL is left to improve it."""
+    held_out: int = 256
+    """The first this many held-out questions of the arithmetic task source at task.seed
+    0 (one op, these operands) never appear in the warm start either: drmas validates on
+    questions that were never trained on, not even here. Up to task.num_val=256 at seed 0
+    the validation set is exactly (a prefix of) these."""
     seed: int = 0
     """Data and initialisation seed."""
 
@@ -58,12 +65,22 @@ class ArithmeticSpec:
 ARITHMETIC = ArithmeticSpec()
 
 
+@functools.lru_cache(maxsize=4)
+def held_out_questions(max_operand: int, count: int) -> frozenset[str]:
+    _, val = arithmetic.generate(0, count, max_operand, 1, seed=0)
+    return frozenset(p.question for p in val)
+
+
 def arithmetic_question(rng: random.Random, spec: ArithmeticSpec) -> tuple[str, str]:
-    """(question, gold answer) written as the arithmetic task source writes them: `12+7`."""
-    a = rng.randint(0, spec.max_operand)
-    b = rng.randint(0, spec.max_operand)
-    op = rng.choice(spec.ops)
-    return f"{a}{op}{b}", str(a + b if op == "+" else a - b)
+    """(question, gold answer) written as the arithmetic task source writes them: `12+7`;
+    never one of the held-out validation questions."""
+    held_out = held_out_questions(spec.max_operand, spec.held_out)
+    while True:
+        a = rng.randint(0, spec.max_operand)
+        b = rng.randint(0, spec.max_operand)
+        op = rng.choice(spec.ops)
+        if f"{a}{op}{b}" not in held_out:
+            return f"{a}{op}{b}", str(a + b if op == "+" else a - b)
 
 
 def _wrong(rng: random.Random, gold: str, spec: ArithmeticSpec) -> str:

@@ -258,3 +258,24 @@ def test_solver_accuracy_grades_boxed_answers(folder: Path) -> None:
         model, tokenizer, questions, temperature=1.0, max_new_tokens=4
     )
     assert 0.0 <= accuracy <= 1.0
+
+
+def test_warm_start_never_shows_a_validation_question() -> None:
+    """The default run validates on held-out questions that nothing trained on: RL never
+    leases them (tasks/arithmetic.py) and the warm start never writes them."""
+    from drmas.launch.config import load_config
+    from drmas.tasks.source import TaskSource
+
+    cfg = load_config([])
+    val = {t.question for t in TaskSource(cfg.task).val}
+    assert len(val) == cfg.val.num_tasks >= 256
+    rng = random.Random(0)
+    seen = set()
+    for kind in range(3):
+        for _ in range(3000):
+            prompt, _ = builtin.transcript(rng, builtin.ARITHMETIC, kind)
+            q = re.search(r"Question: (\d+[+-]\d+)\n", prompt)
+            assert q is not None
+            seen.add(q.group(1))
+    assert not seen & val
+    assert len(seen) == 800 - len(val)  # every other question is still taught
