@@ -40,11 +40,11 @@ def _fmt(line: dict[str, Any], agents: list[str], steps: int) -> str:
         keys = sorted(
             k for k in line if k.startswith("val/") and k != "val/tasks" and not k.endswith("/se")
         )
-        shown = [
+        values = [
             f"{k}={line[k]:.3f}" + (f"±{line[k + '/se']:.3f}" if k + "/se" in line else "")
             for k in keys
         ]
-        return parts[0] + f"  validation ({line['val/tasks']:.0f} tasks, ±SE)  " + "  ".join(shown)
+        return parts[0] + f"  validation ({line['val/tasks']:.0f} tasks, ±SE)  " + "  ".join(values)
     for agent in agents:
         if f"reward/{agent}/mean" in line:
             parts.append(f"{agent} reward {line[f'reward/{agent}/mean']:.3f}")
