@@ -52,6 +52,7 @@ def test_train_shared_model_two_fsdp_ranks(tmp_path: Path, model_cache: Path) ->
         "train",
         *FAST,
         "experiment=tiny_math_shared",
+        "models.policy.warmstart.steps=60",  # FAST's short build (the shared model's own key)
         "learner.world_size=2",
         f"run.dir={run_dir}",
         f"run.cache_dir={model_cache}",
