@@ -32,7 +32,7 @@ from drmas.broker.advantages import compute_advantages
 from drmas.launch.config import DrmasConfig
 from drmas.launch.ports import free_port
 from drmas.launch.train import prepare_run
-from drmas.protocol.messages import Episode, Sample, SamplingParams, Task
+from drmas.protocol.messages import Episode, Sample, SamplingParams, Step, Task
 
 log = logging.getLogger("drmas.probe")
 
@@ -176,7 +176,7 @@ def step_scores(cfg: DrmasConfig, episodes: list[Episode], rng: np.random.Genera
     return np.asarray(out, dtype=np.float64)
 
 
-def _sample(step: Any) -> Sample:
+def _sample(step: Step) -> Sample:
     return Sample(step.agent, step.prompt_ids, step.response_ids, step.logprobs, 0.0, step.version)
 
 

@@ -60,9 +60,8 @@ class _MiniBatch:
     plan: dict[str, list[MicroBatch]]  # micro-batches per agent (same counts on every rank)
     tokens: int  # real response tokens of the update over all ranks
     samples: int  # real sequences of the update over all ranks
-    old_logprobs: dict[str, list[torch.Tensor]] = field(
-        default_factory=dict
-    )  # π_old per micro-batch
+    # π_old per micro-batch of each agent; empty with one update per batch
+    old_logprobs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
 def hf_name(name: str) -> str:
@@ -380,15 +379,14 @@ class Trainer:
         finite = [n for n in norms if math.isfinite(n)]
         metrics = {
             f"loss/{m}": totals.pop("loss") / updates,
-            f"grad_norm/{m}": sum(norms) / updates,
+            # mean over the finite updates, beside the skip count (inf if none was finite)
+            f"grad_norm/{m}": sum(finite) / len(finite) if finite else math.inf if norms else 0.0,
             f"grad_norm_max/{m}": max(norms, default=0.0),
             f"updates/{m}": float(len(norms)),
             f"lr/{m}": float(self.optimizer.param_groups[0]["lr"]),
             f"tokens/{m}": float(shard.total_tokens),
             f"samples/{m}": float(shard.total_samples),
         }
-        if len(finite) < len(norms):  # keep the batch's norm readable beside the skip count
-            metrics[f"grad_norm/{m}"] = sum(finite) / len(finite) if finite else math.inf
         metrics |= {f"{_TOKEN_MEANS[k]}/{m}": v / tokens for k, v in totals.items()}
         if self.cfg.learner.per_agent_grad_norm:
             for agent, norm in zip(self.agents, agent_norms.tolist()):
