@@ -29,6 +29,7 @@ from drmas.actors.engines.base import Engine
 from drmas.actors.workflows.base import TeamWorkflow
 from drmas.actors.workflows.math import MathWorkflow
 from drmas.launch.config import DrmasConfig
+from drmas.models.config import weights_dtype
 from drmas.protocol.messages import (
     Accepted,
     Episode,
@@ -233,8 +234,8 @@ class Actor:
             engine = self.engines[join.model]
             start = time.monotonic()
             ok, error, digest = True, "", ""
-            same_dtype = (
-                self.cfg.actor.engine_of(join.model).dtype == self.cfg.models[join.model].dtype
+            same_dtype = self.cfg.actor.engine_of(join.model).dtype == weights_dtype(
+                self.cfg.models[join.model].precision
             )
             want_digest = self.cfg.weights.verify_digest and same_dtype
             await engine.pause()

@@ -17,7 +17,7 @@ from drmas.actors.config import ActorConfig, EngineName, SamplingConfig, Workflo
 from drmas.broker.config import AdvantageConfig, AdvantageMode, BrokerConfig
 from drmas.checkpoints.config import CheckpointConfig
 from drmas.learners.config import ISCorrection, LearnerConfig, LossAgg, LossConfig, ProbeConfig
-from drmas.models.config import ModelConfig
+from drmas.models.config import PRECISIONS, ModelConfig
 from drmas.retrieval.config import RETRIEVERS, RetrieverConfig
 from drmas.tasks.config import TaskConfig
 from drmas.transports.config import SecurityConfig, WeightSyncConfig
@@ -195,9 +195,17 @@ def check(cfg: DrmasConfig) -> None:
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
     for model_name, model_cfg in cfg.models.items():
-        if model_cfg.dtype not in ("float32", "bfloat16"):
+        if model_cfg.dtype:
             raise ConfigError(
-                f"models.{model_name}.dtype={model_cfg.dtype!r} is not float32 or bfloat16"
+                f"models.{model_name}.dtype={model_cfg.dtype!r} was replaced by "
+                f"models.{model_name}.precision: bf16-mixed (fp32 master weights, bf16 "
+                "compute; what bfloat16 should have meant), bf16-pure (bf16 weights, what "
+                "dtype=bfloat16 did) or fp32"
+            )
+        if model_cfg.precision not in PRECISIONS:
+            raise ConfigError(
+                f"models.{model_name}.precision={model_cfg.precision!r} is not one of "
+                f"{list(PRECISIONS)}"
             )
     positive = {
         "group_size": cfg.group_size,

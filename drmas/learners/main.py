@@ -249,7 +249,9 @@ def publish(
 
     # A collective over the learner group: every rank runs it to the end, whatever happens
     # to the broadcast on rank 0.
-    gathered = _ticking(trainer.full_state_dict_iter(sender.device if sender else None), beat)
+    gathered = _ticking(
+        trainer.full_state_dict_iter(sender.device if sender else None, trainer.publish_dtype), beat
+    )
     if sender is None or plan is None:
         for _ in gathered:
             pass

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from drmas.learners.batching import MicroBatch, empty_micro_batch, split_by_agent
 from drmas.learners.loss import policy_loss, token_logprobs_and_entropy
+from drmas.models.config import weights_dtype
 from drmas.protocol.arrays import unpack_ids
 from drmas.protocol.messages import BatchShard
 from drmas.transports.weights import TensorSpec
@@ -78,8 +79,23 @@ def checkpoint_folder(cfg: DrmasConfig, model: str) -> Path:
     return resolve_model_path(model_cfg.path, cfg.run.cache_dir or None, model_cfg.warmstart)
 
 
-def load_causal_lm(folder: Path, dtype: str, device: torch.device) -> PreTrainedModel:
-    lm = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[dtype])
+def precision_plan(precision: str) -> tuple[torch.dtype, MixedPrecisionPolicy | None]:
+    """ModelConfig.precision -> (dtype of the weights AdamW updates, FSDP2 policy).
+    bf16-mixed keeps fp32 masters and optimizer state; FSDP2 casts each layer's weights to
+    bf16 when it gathers them for forward/backward and reduces gradients in fp32."""
+    if precision == "fp32":
+        return torch.float32, None
+    if precision == "bf16-mixed":
+        return torch.float32, MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    if precision == "bf16-pure":
+        return torch.bfloat16, None
+    raise ValueError(f"precision {precision!r} is not fp32, bf16-mixed or bf16-pure")
+
+
+def load_causal_lm(folder: Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     lm.to(device)  # type: ignore[arg-type]  # transformers' stub of .to is too narrow
     return lm
 
@@ -118,14 +134,25 @@ class Trainer:
         self.source = checkpoint_folder(cfg, model)
         self.loss_cfg = cfg.algorithm.loss
 
-        self.model = load_causal_lm(self.source, model_cfg.dtype, self.device)
+        master, policy = precision_plan(model_cfg.precision)
+        if model_cfg.precision == "bf16-pure" and rank == 0:
+            log.warning(
+                "models.%s.precision=bf16-pure: the weights themselves are bf16, so AdamW "
+                "updates below ~0.4 %% of a weight are lost (at lr 1e-6 most weights never "
+                "move); use bf16-mixed to train",
+                model,
+            )
+        self.publish_dtype = _DTYPES[weights_dtype(model_cfg.precision)]
+        """The dtype weights go to the actors in (the engines compute in it)."""
+        self.model = load_causal_lm(self.source, master, self.device)
         self.model.train()
         self.vocab_size = int(self.model.config.vocab_size)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         mesh = init_device_mesh(self.device.type, (world_size,))
+        kwargs = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
         for layer in decoder_layers(self.model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)  # one code path, also for world_size 1
+            fully_shard(layer, **kwargs)
+        fully_shard(self.model, **kwargs)  # one code path, also for world_size 1
 
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -136,7 +163,8 @@ class Trainer:
         self.reference: PreTrainedModel | None = None
         if self.loss_cfg.kl_coef > 0:
             # Frozen and unsharded: only ever run forward under no_grad.
-            self.reference = load_causal_lm(self.source, model_cfg.dtype, self.device)
+            # In the compute dtype: it never trains, so it needs no fp32 master.
+            self.reference = load_causal_lm(self.source, self.publish_dtype, self.device)
             self.reference.eval().requires_grad_(False)
         if entropy_metric is None:
             entropy_metric = self.vocab_size <= 32768
@@ -395,23 +423,26 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights out
     def param_specs(self) -> list[TensorSpec]:
-        """(HF name, full shape, dtype) of what full_state_dict_iter yields, in order; local."""
+        """(HF name, full shape, dtype) of what full_state_dict_iter(dtype=publish_dtype)
+        yields, in order; local."""
+        dtype = str(self.publish_dtype).removeprefix("torch.")
         return [
-            TensorSpec(hf_name(n), tuple(p.shape), str(p.dtype).removeprefix("torch."))
-            for n, p in self.model.named_parameters()
+            TensorSpec(hf_name(n), tuple(p.shape), dtype) for n, p in self.model.named_parameters()
         ]
 
     def full_state_dict_iter(
-        self, device: torch.device | str | None = "cpu"
+        self, device: torch.device | str | None = "cpu", dtype: torch.dtype | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) per parameter, gathered one at a time. A collective: every
         rank must exhaust it; every rank gets the full tensors (only rank 0 needs them).
-        `device` None keeps them where they were gathered (CUDA for an NCCL publish).
+        `device` None keeps them where they were gathered (CUDA for an NCCL publish);
+        `dtype` None keeps the master dtype (checkpoints), else casts (publishing).
         The tensors never alias the live parameters, so they survive later steps."""
         for name, param in self.model.named_parameters():
             value = param.detach()
             full = value.full_tensor() if isinstance(value, DTensor) else value
             full = full if device is None else full.to(device)
+            full = full if dtype is None else full.to(dtype)
             if _same_storage(full, _local(value)):  # one rank: "gathering" returns the shard
                 full = full.clone()
             yield hf_name(name), full

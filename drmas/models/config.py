@@ -42,7 +42,25 @@ class ModelConfig:
     """AdamW betas."""
     world_size: int | None = None
     """FSDP ranks of this model's learner group; None = learner.world_size."""
-    dtype: str = "float32"
-    """Training dtype (float32 | bfloat16)."""
+    precision: str = "fp32"
+    """How the learner holds and computes the weights:
+    - fp32: fp32 weights, optimizer state and compute (the CPU default);
+    - bf16-mixed: fp32 master weights and optimizer state, bf16 forward/backward, gradients
+      reduced in fp32 (FSDP2's MixedPrecisionPolicy); what GPU runs should use. Actors
+      receive bf16 copies of the weights;
+    - bf16-pure: the weights themselves in bf16 (half the memory). AdamW updates smaller
+      than bf16's resolution (~0.4 % of a weight) are lost, so at lr ~1e-6 most weights
+      never move; kept for memory experiments, with a warning."""
+    dtype: str = ""
+    """Removed (it meant bf16-pure for bfloat16): set `precision` instead."""
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Builtin models only."""
+
+
+PRECISIONS = ("fp32", "bf16-mixed", "bf16-pure")
+"""ModelConfig.precision values."""
+
+
+def weights_dtype(precision: str) -> str:
+    """The dtype a model's learner publishes its weights in (the engines' compute dtype)."""
+    return "float32" if precision == "fp32" else "bfloat16"

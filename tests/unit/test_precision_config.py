@@ -1,0 +1,40 @@
+"""models.<m>.precision: the three documented values, and a guided error for the old dtype."""
+
+from __future__ import annotations
+
+import pytest
+
+from drmas.launch.config import ConfigError, load_config
+from drmas.learners.trainer import precision_plan
+from drmas.models.config import weights_dtype
+
+
+def test_default_is_fp32_and_search_recipe_trains_fp32_masters() -> None:
+    assert load_config([]).models["solver"].precision == "fp32"
+    search = load_config(["experiment=search", "task.train_path=x.parquet"])
+    assert {m.precision for m in search.models.values()} == {"bf16-mixed"}
+
+
+def test_old_dtype_key_says_what_to_set() -> None:
+    with pytest.raises(ConfigError, match=r"models\.solver\.precision: bf16-mixed"):
+        load_config(["models.solver.dtype=bfloat16"])
+
+
+def test_unknown_precision_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"precision='fp16'.*bf16-mixed"):
+        load_config(["models.solver.precision=fp16"])
+
+
+def test_plans() -> None:
+    import torch
+
+    master, policy = precision_plan("bf16-mixed")
+    assert master == torch.float32 and policy is not None
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert precision_plan("fp32") == (torch.float32, None)
+    assert precision_plan("bf16-pure") == (torch.bfloat16, None)
+    assert [weights_dtype(p) for p in ("fp32", "bf16-mixed", "bf16-pure")] == [
+        "float32",
+        "bfloat16",
+        "bfloat16",
+    ]
