@@ -145,10 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         from drmas.launch.train import prepare_run
 
         try:
-            _, run_dir = prepare_run(cfg)
+            _, run_dir, placement = prepare_run(cfg)
         except (FileNotFoundError, ValueError) as exc:
             print(f"drmas prepare: {exc}", file=sys.stderr)
             return 2
+        if placement is not None:
+            print(placement.describe(), file=sys.stderr)
         print(run_dir / "config.yaml")
         return 0
     if args.command == "probe":

@@ -16,6 +16,7 @@ from typing import get_args
 from drmas.actors.config import ActorConfig, EngineName, SamplingConfig, WorkflowConfig
 from drmas.broker.config import AdvantageConfig, AdvantageMode, BrokerConfig
 from drmas.checkpoints.config import CheckpointConfig
+from drmas.launch.placement import SHARE_MODES, PlacementConfig
 from drmas.learners.config import ISCorrection, LearnerConfig, LossAgg, LossConfig, ProbeConfig
 from drmas.models.config import PRECISIONS, ModelConfig
 from drmas.retrieval.config import RETRIEVERS, RetrieverConfig
@@ -118,6 +119,8 @@ class DrmasConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """drmas train on a GPU node: which GPUs each process gets."""
 
     def __post_init__(self) -> None:
         check(self)
@@ -190,6 +193,7 @@ def check(cfg: DrmasConfig) -> None:
         "workflow.on_invalid": (cfg.workflow.on_invalid, ("continue", "end")),
         "retriever.name": (cfg.retriever.name, RETRIEVERS),
         "weights.backend": (cfg.weights.backend, ("auto", "gloo", "nccl")),
+        "placement.share": (cfg.placement.share, SHARE_MODES),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:

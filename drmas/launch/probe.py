@@ -46,7 +46,7 @@ def run_probe(cfg: DrmasConfig) -> int:
     from drmas.learners.trainer import Trainer
 
     torch.set_num_threads(max(1, int(os.environ.get("DRMAS_TORCH_THREADS", "1"))))
-    cfg, run_dir = prepare_run(cfg)
+    cfg, run_dir, _ = prepare_run(cfg)
     p = cfg.probe
     size = p.group_size or cfg.group_size
     mode = "synthetic" if p.rewards else "sampled"

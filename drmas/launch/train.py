@@ -29,14 +29,17 @@ import time
 from pathlib import Path
 
 from drmas.launch.config import DrmasConfig, to_yaml
+from drmas.launch.placement import Placement, plan_placement, visible_gpus
 from drmas.launch.ports import free_port
 from drmas.launch.progress import Progress
 from drmas.launch.supervisor import Supervisor
 from drmas.retrieval.config import RetrieverConfig
 
 
-def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path]:
-    """Resolve run folder, model folders, addresses and ports; write config.yaml."""
+def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path, Placement | None]:
+    """Resolve run folder, model folders, addresses, ports and the GPU placement (None on
+    CPU); write config.yaml. Raises ValueError (PlacementError) for a plan that cannot work,
+    before any model is built."""
     from drmas.models.builtin import resolve_model_path
     from drmas.transports.security import check_bind, check_keys, keys_dir
 
@@ -44,11 +47,18 @@ def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path]:
     security = dataclasses.replace(cfg.security, keys_dir=str(keys_dir(cfg.security)))
     check_bind(cfg.broker.address, security)
     check_keys(security)
+    placement = plan_placement(cfg, visible_gpus(cfg))
+    weights = cfg.weights
+    if placement is not None and placement.weights_backend == "gloo":
+        weights = dataclasses.replace(weights, backend="gloo")
     run_dir = Path(cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     models = {
         name: dataclasses.replace(
-            m, path=str(resolve_model_path(m.path, cfg.run.cache_dir or None, m.warmstart))
+            m,
+            path=str(
+                resolve_model_path(m.path, cfg.run.cache_dir or None, m.warmstart, m.revision)
+            ),
         )
         for name, m in cfg.models.items()
     }
@@ -64,9 +74,10 @@ def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path]:
         broker=dataclasses.replace(cfg.broker, address=address),
         security=security,
         retriever=retriever,
+        weights=weights,
     )
     (run_dir / "config.yaml").write_text(to_yaml(resolved))
-    return resolved, run_dir
+    return resolved, run_dir, placement
 
 
 def prepare_retriever(cfg: DrmasConfig) -> RetrieverConfig:
@@ -83,7 +94,9 @@ def prepare_retriever(cfg: DrmasConfig) -> RetrieverConfig:
     return dataclasses.replace(cfg.retriever, corpus_path=str(Path(corpus).resolve()))
 
 
-def start_children(cfg: DrmasConfig, run_dir: Path, sup: Supervisor) -> None:
+def start_children(
+    cfg: DrmasConfig, run_dir: Path, sup: Supervisor, placement: Placement | None = None
+) -> None:
     cli = [sys.executable, "-m", "drmas.launch.cli"]
     config = ["--config", str(run_dir / "config.yaml")]
     sup.start("broker", "broker", [*cli, "broker", *config])
@@ -98,6 +111,8 @@ def start_children(cfg: DrmasConfig, run_dir: Path, sup: Supervisor) -> None:
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": port,
             }
+            if placement is not None:
+                env |= placement.env_learner(model, rank)
             sup.start(
                 f"learner-{model}-{rank}",
                 "learner",
@@ -105,7 +120,8 @@ def start_children(cfg: DrmasConfig, run_dir: Path, sup: Supervisor) -> None:
                 env,
             )
     for i in range(cfg.actor.num_actors):
-        sup.start(f"actor-{i}", "actor", [*cli, "actor", *config, "--id", f"actor-{i}"])
+        env = placement.env_actor(i) if placement is not None else {}
+        sup.start(f"actor-{i}", "actor", [*cli, "actor", *config, "--id", f"actor-{i}"], env)
 
 
 def resumed_config(cfg: DrmasConfig) -> DrmasConfig:
@@ -180,11 +196,13 @@ def train(cfg: DrmasConfig) -> int:
     try:
         if cfg.run.resume:
             cfg = resumed_config(cfg)
-        cfg, run_dir = prepare_run(cfg)
+        cfg, run_dir, placement = prepare_run(cfg)
     except (FileNotFoundError, ValueError) as exc:  # a bad model path: nothing started yet
         print(f"drmas train: {exc}", file=sys.stderr)
         return 2
     print(f"drmas train: run folder {run_dir}", flush=True)
+    if placement is not None:
+        print(placement.describe(), flush=True)
     sup = Supervisor(run_dir / "logs")
     interrupted = False
 
@@ -197,7 +215,7 @@ def train(cfg: DrmasConfig) -> int:
     progress = Progress(run_dir, list(cfg.agents), cfg.train.steps, enabled=cfg.train.progress)
     code = 0
     try:
-        start_children(cfg, run_dir, sup)
+        start_children(cfg, run_dir, sup, placement)
         while True:
             progress.update()
             failed = sup.failed()
