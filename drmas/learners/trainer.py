@@ -76,7 +76,9 @@ def checkpoint_folder(cfg: DrmasConfig, model: str) -> Path:
     from drmas.models.builtin import resolve_model_path
 
     model_cfg = cfg.models[model]
-    return resolve_model_path(model_cfg.path, cfg.run.cache_dir or None, model_cfg.warmstart)
+    return resolve_model_path(
+        model_cfg.path, cfg.run.cache_dir or None, model_cfg.warmstart, model_cfg.revision
+    )
 
 
 def precision_plan(precision: str) -> tuple[torch.dtype, MixedPrecisionPolicy | None]:

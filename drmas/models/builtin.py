@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from drmas.filelock import file_lock
 from drmas.models import math_transcripts, search_transcripts
 from drmas.models.config import WarmStartConfig
+from drmas.models.hub import looks_like_hub_id, resolve_hub_id
 
 # Re-exported: tests and benchmarks import the math warm start's pieces from here.
 from drmas.models.math_transcripts import (  # noqa: F401
@@ -91,6 +92,7 @@ ARCHITECTURES = {"tiny-qwen2": TINY_QWEN2, "small-qwen2": SMALL_QWEN2}
 WARM_STARTS: dict[str, TranscriptSource] = {
     "math": math_transcripts.SOURCE,
     "search": search_transcripts.SOURCE,
+    "search_queries": search_transcripts.SOURCE_QUERIES,
 }
 """WarmStartConfig.workflow -> the team whose transcripts the warm start trains on."""
 
@@ -104,22 +106,25 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model_path(
-    path: str, cache_dir: str | None, warmstart: WarmStartConfig | None = None
+    path: str, cache_dir: str | None, warmstart: WarmStartConfig | None = None, revision: str = ""
 ) -> Path:
     """A checkpoint folder for `path`: `builtin:<name>` is built (or reused from the cache);
-    anything else must already be a Hugging Face causal-LM folder."""
+    an existing local folder is used as it is; `org/name` is a Hugging Face Hub id
+    (drmas/models/hub.py: its cache, `revision`, offline mode)."""
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX) :]
         if name not in BUILTINS:
             raise ValueError(f"unknown builtin model {name!r}; known: {sorted(BUILTINS)}")
         root = Path(cache_dir) if cache_dir else default_cache_dir()
         return _build_cached(name, root, warmstart if warmstart is not None else WarmStartConfig())
+    if looks_like_hub_id(path):
+        return resolve_hub_id(path, revision)
     folder = Path(path).expanduser()
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"model path {str(folder)!r} is not a Hugging Face checkpoint folder: expected a "
-            f"directory with config.json (and weights, tokenizer files) or builtin:<name> "
-            f"(known builtins: {sorted(BUILTINS)})"
+            f"directory with config.json (and weights, tokenizer files), a Hub id org/name, "
+            f"or builtin:<name> (known builtins: {sorted(BUILTINS)})"
         )
     return folder
 

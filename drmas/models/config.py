@@ -33,7 +33,11 @@ class ModelConfig:
     """One trainable policy; agents bind to it by name."""
 
     path: str = "builtin:tiny-qwen2"
-    """A Hugging Face causal-LM folder, or builtin:<name> (created and cached on first use)."""
+    """A Hugging Face causal-LM folder, a Hub id org/name (downloaded into the Hugging Face
+    cache by the launcher; HF_HUB_OFFLINE=1 uses the cache only), or builtin:<name>
+    (created and cached on first use)."""
+    revision: str = ""
+    """Hub ids only: branch, tag or commit ("" = main)."""
     lr: float = 1e-6
     """AdamW learning rate."""
     weight_decay: float = 0.01
