@@ -51,7 +51,7 @@ def test_one_gpu_holds_a_shared_model_learner_and_its_engine() -> None:
 def test_fewer_gpus_than_learners_share_across_models_unless_exclusive() -> None:
     plan = plan_placement(load_config([]), 1)  # hf engines: no fixed memory fraction
     assert plan is not None and plan.learners == {"solver": (0,), "verifier": (0,)}
-    with pytest.raises(PlacementError, match="placement.share=exclusive, but GPU 0"):
+    with pytest.raises(PlacementError, match=r"placement\.share=exclusive, but GPU 0"):
         plan_placement(load_config(["placement.share=exclusive"]), 1)
     with pytest.raises(PlacementError, match="learner answerer has 2 ranks but only 1 GPU"):
         plan_placement(load_config([*SEARCH, "learner.world_size=2"]), 1)
@@ -78,7 +78,7 @@ def test_shared_engines_must_leave_room_for_the_learner() -> None:
 
 def test_exclusive_refuses_to_share_and_nccl_refuses_colocation() -> None:
     cfg = load_config(["placement.share=exclusive"])
-    with pytest.raises(PlacementError, match="placement.share=exclusive"):
+    with pytest.raises(PlacementError, match=r"placement\.share=exclusive"):
         plan_placement(cfg, 2)
     cfg = load_config(["weights.backend=nccl", "actor.engine.name=vllm",
                        "actor.engine.gpu_memory_utilization=0.2"])  # fmt: skip
@@ -123,5 +123,5 @@ def test_bad_explicit_lists_say_what_to_fix(overrides: list[str], match: str) ->
 
 
 def test_unknown_share_mode_is_refused() -> None:
-    with pytest.raises(ConfigError, match="placement.share"):
+    with pytest.raises(ConfigError, match=r"placement\.share"):
         load_config(["placement.share=sometimes"])
