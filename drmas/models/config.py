@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-WARMSTART_WORKFLOWS = ("math", "search")
+WARMSTART_WORKFLOWS = ("math", "search", "search_queries")
 
 
 @dataclass
@@ -18,8 +18,9 @@ class WarmStartConfig:
     lr: float = 1.5e-3
     """AdamW learning rate of the warm start."""
     workflow: str = "math"
-    """Which team's transcripts it trains on: math | search (the defaults above are
-    math's; a search run sets its own steps, batch_size and lr)."""
+    """Which transcripts it trains on: math | search (every search-team agent) |
+    search_queries (the Search Agent's calls only). The defaults above are math's; a
+    search run sets its own steps, batch_size and lr."""
 
     def __post_init__(self) -> None:
         if self.workflow not in WARMSTART_WORKFLOWS:

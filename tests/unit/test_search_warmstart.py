@@ -283,3 +283,28 @@ def test_word_tokenizer_round_trips_any_text_and_is_deterministic(
     again = builtin.make_tokenizer(st.SOURCE)
     assert again.get_vocab() == words.get_vocab()
     assert len(words(texts[-1]).input_ids) * 3 < len(texts[-1])  # ~4 characters per token
+
+
+def test_search_agent_warm_start_mixes_full_name_and_surname_queries() -> None:
+    """SEARCH_QUERIES: only the Search Agent's two calls; 30 % of first queries are the
+    full name, the rest the surname alone (RL has to find that the full name pays)."""
+    spec = st.SEARCH_QUERIES
+    retriever = st.SimRetriever(kb.build(spec.kb), spec.top_k)
+    rng = random.Random(0)
+    full = surname = 0
+    for _ in range(600):
+        prompt, response = st.transcript(rng, spec, retriever, st.SEARCH_NAME)
+        query = sp.parse_search(response)
+        names = [p.name for p in retriever.kb.people if p.name in prompt]
+        assert query is not None and names
+        if query in names:
+            full += 1
+        else:
+            assert any(query == n.split()[-1] for n in names), (query, names)
+            surname += 1
+    assert 0.25 < full / 600 < 0.35
+    kinds = {st.KINDS[i] for i, w in enumerate(spec.kind_weights[:6]) if w > 0}
+    assert kinds == {st.SEARCH_NAME, st.SEARCH_CITY}
+    assert builtin.WARM_STARTS["search_queries"].spec is spec
+    # the team's own warm start still searches the full name every time
+    assert st.SEARCH.full_name_query_frac == 1.0
