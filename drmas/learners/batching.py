@@ -29,6 +29,7 @@ class MicroBatch:
     mask: torch.Tensor  # [B, L-1] float32, 1 where the target is a real response token
     behaviour_logprobs: torch.Tensor  # [B, L-1] float32, actor log-probs at those positions
     advantages: torch.Tensor  # [B] float32
+    packed: Packed | None = None  # the same sequences without padding (learner.pack)
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(
@@ -39,7 +40,51 @@ class MicroBatch:
             self.mask.to(device),
             self.behaviour_logprobs.to(device),
             self.advantages.to(device),
+            None if self.packed is None else self.packed.to(device),
         )
+
+
+@dataclass
+class Packed:
+    """A micro-batch's sequences concatenated into one row, no padding. position_ids
+    restart at 0 for each sequence, which is how transformers recognises packed sequences
+    and keeps attention within each one. The model runs on this row; per-token results are
+    gathered back into the padded [B, L-1] frame with `index` (where `valid`), so the loss
+    code is the same for both."""
+
+    input_ids: torch.Tensor  # [1, N] int64, N = total real tokens
+    position_ids: torch.Tensor  # [1, N] int64
+    index: torch.Tensor  # [B, L-1] int64: position in the packed shifted frame [N-1]
+    valid: torch.Tensor  # [B, L-1] bool: the padded position holds a real prediction
+
+    def to(self, device: torch.device) -> Packed:
+        return Packed(
+            self.input_ids.to(device),
+            self.position_ids.to(device),
+            self.index.to(device),
+            self.valid.to(device),
+        )
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[1, N-1] per-token values -> [B, L-1], 0 where `valid` is False."""
+        return packed[0][self.index].masked_fill(~self.valid, 0.0)
+
+
+def pack(mb: MicroBatch) -> Packed:
+    lengths = mb.attention_mask.sum(-1).tolist()
+    rows, width = mb.input_ids.shape
+    ids = torch.cat([mb.input_ids[r, :n] for r, n in enumerate(lengths)]).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    index = torch.zeros((rows, width - 1), dtype=torch.int64)
+    valid = torch.zeros((rows, width - 1), dtype=torch.bool)
+    start = 0
+    for r, n in enumerate(lengths):
+        # padded position j < n - 1 of row r predicts token j + 1 of the same sequence;
+        # in the packed row that prediction sits at start + j
+        index[r, : n - 1] = torch.arange(start, start + n - 1)
+        valid[r, : n - 1] = True
+        start += n
+    return Packed(ids, positions, index, valid)
 
 
 def collate(
@@ -90,10 +135,36 @@ def empty_micro_batch(agent: str, pad_id: int) -> MicroBatch:
     )
 
 
+def chunks(lengths: Sequence[int], max_rows: int, max_tokens: int, packed: bool) -> list[range]:
+    """Consecutive runs of samples: at most `max_rows` each and, with max_tokens > 0, at
+    most that many tokens (padded: rows x longest; packed: the sum). A sample longer than
+    the budget gets a micro-batch of its own."""
+    out: list[range] = []
+    start, longest = 0, 0
+    for i, n in enumerate(lengths):
+        rows = i - start + 1
+        grown = max(longest, n)
+        cost = sum(lengths[start : i + 1]) if packed else rows * grown
+        if i > start and (rows > max_rows or (max_tokens > 0 and cost > max_tokens)):
+            out.append(range(start, i))
+            start, grown = i, n
+        longest = grown
+    if lengths:
+        out.append(range(start, len(lengths)))
+    return out
+
+
 def split_by_agent(
-    shard: BatchShard, agents: Sequence[str], micro_batch_size: int, pad_id: int
+    shard: BatchShard,
+    agents: Sequence[str],
+    micro_batch_size: int,
+    pad_id: int,
+    max_tokens: int = 0,
+    packed: bool = False,
 ) -> dict[str, list[MicroBatch]]:
-    """Micro-batches per agent, agents in `agents` order, samples in shard order."""
+    """Micro-batches per agent, agents in `agents` order, samples in shard order; at most
+    `micro_batch_size` sequences and (max_tokens > 0) `max_tokens` tokens each; `packed`
+    adds the padding-free layout the model then runs on."""
     unknown = {s.agent for s in shard.samples} - set(agents)
     if unknown:
         raise ValueError(
@@ -103,15 +174,19 @@ def split_by_agent(
     out: dict[str, list[MicroBatch]] = {}
     for agent in agents:
         rows = [i for i, s in enumerate(shard.samples) if s.agent == agent]
-        out[agent] = [
-            collate(
+        lengths = [
+            (len(shard.samples[i].prompt_ids) + len(shard.samples[i].response_ids)) // 4
+            for i in rows
+        ]
+        out[agent] = []
+        for run in chunks(lengths, micro_batch_size, max_tokens, packed):
+            mb = collate(
                 agent,
-                [shard.samples[i] for i in chunk],
-                [shard.weights[i] for i in chunk],
+                [shard.samples[rows[k]] for k in run],
+                [shard.weights[rows[k]] for k in run],
                 pad_id,
             )
-            for chunk in (
-                rows[k : k + micro_batch_size] for k in range(0, len(rows), micro_batch_size)
-            )
-        ]
+            if packed:
+                mb.packed = pack(mb)
+            out[agent].append(mb)
     return out

@@ -40,7 +40,17 @@ class LearnerConfig:
     world_size: int = 1
     """FSDP ranks per model (each a process)."""
     micro_batch_size: int = 16
-    """Sequences per forward/backward on one rank."""
+    """Sequences per forward/backward on one rank (at most)."""
+    micro_batch_tokens: int = 0
+    """Token budget of one forward/backward (0 = none): a micro-batch closes before it
+    would exceed it (padded: rows x longest sequence; packed: the sum of lengths), so long
+    episodes make smaller micro-batches and memory stays bounded. A longer sequence than
+    the budget still runs, alone."""
+    pack: bool = False
+    """Padding-free micro-batches: the sequences of a micro-batch are concatenated into one
+    row whose position ids restart per sequence, and transformers keeps attention within
+    each sequence (Hugging Face decoder LMs, which all take position_ids). No compute is
+    spent on padding; loss and gradients equal the padded path (tested)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
     ppo_minibatches: int = 1

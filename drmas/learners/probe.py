@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from drmas.learners.batching import collate
-from drmas.learners.loss import policy_loss, token_logprobs_and_entropy
+from drmas.learners.loss import policy_loss
 from drmas.learners.trainer import Trainer
 from drmas.protocol.messages import Sample
 
@@ -49,10 +49,7 @@ def grad_sq_norms(
         if len(adv) != len(samples):
             raise ValueError(f"{name}: {len(adv)} advantages for {len(samples)} samples")
         trainer.optimizer.zero_grad(set_to_none=True)
-        logits = trainer._logits(trainer.model, batch)  # [B, L-1, V]
-        logprobs, _ = token_logprobs_and_entropy(
-            logits, batch.targets, trainer.cfg.sampling.temperature, False
-        )  # [B, L-1]
+        logprobs, _ = trainer.token_stats(trainer.model, batch, False)  # [B, L-1]
         loss, _ = policy_loss(
             logprobs,
             logprobs.detach(),  # π_old = π_θ: ratio 1, the plain policy gradient

@@ -148,6 +148,12 @@ class Trainer:
         """The dtype weights go to the actors in (the engines compute in it)."""
         self.model = load_causal_lm(self.source, master, self.device)
         self.model.train()
+        if model_cfg.activation_checkpointing:
+            # Each decoder layer's activations are recomputed in backward instead of kept
+            # (non-reentrant, which composes with FSDP2's per-layer gathers).
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         self.vocab_size = int(self.model.config.vocab_size)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         mesh = init_device_mesh(self.device.type, (world_size,))
@@ -275,16 +281,12 @@ class Trainer:
     @torch.no_grad()
     def _fix_old_logprobs(self, minibatches: list[_MiniBatch], tick: Callable[[], None]) -> None:
         """π_old's log-probs of every micro-batch, before any update of this batch."""
-        temperature = self.cfg.sampling.temperature
         for mini in minibatches:
             for agent in self.agents:
                 mini.old_logprobs[agent] = []
                 for mb in mini.plan[agent]:
                     tick()
-                    mb = mb.to(self.device)
-                    logprobs, _ = token_logprobs_and_entropy(
-                        self._logits(self.model, mb), mb.targets, temperature, False
-                    )
+                    logprobs, _ = self.token_stats(self.model, mb.to(self.device), False)
                     mini.old_logprobs[agent].append(logprobs)
 
     def _check(self, shard: BatchShard) -> None:
@@ -306,7 +308,15 @@ class Trainer:
     def _plan(self, shard: BatchShard) -> dict[str, list[MicroBatch]]:
         """Micro-batches by agent, padded with empty ones so that every rank runs the same
         number of forward/backward calls per agent (FSDP's collectives must line up)."""
-        plan = split_by_agent(shard, self.agents, self.cfg.learner.micro_batch_size, self.pad_id)
+        learner = self.cfg.learner
+        plan = split_by_agent(
+            shard,
+            self.agents,
+            learner.micro_batch_size,
+            self.pad_id,
+            learner.micro_batch_tokens,
+            learner.pack,
+        )
         counts = torch.tensor([len(plan[a]) for a in self.agents], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # (on the device: NCCL needs CUDA)
         for agent, count in zip(self.agents, counts.tolist()):
@@ -323,18 +333,11 @@ class Trainer:
     ) -> None:
         """`total_*`: the update's real token/sample counts over all ranks (loss normaliser);
         `old_logprobs` None: π_old is the current policy (one update per batch)."""
-        logits = self._logits(self.model, mb)  # [B, L-1, V]
-        temperature = self.cfg.sampling.temperature
-        logprobs, entropy = token_logprobs_and_entropy(
-            logits, mb.targets, temperature, self.with_entropy
-        )  # [B, L-1] each
+        logprobs, entropy = self.token_stats(self.model, mb, self.with_entropy)  # [B, L-1]
         ref_logprobs = None
         if self.reference is not None:
             with torch.no_grad():
-                ref_logits = self._logits(self.reference, mb)
-                ref_logprobs, _ = token_logprobs_and_entropy(
-                    ref_logits, mb.targets, temperature, False
-                )
+                ref_logprobs, _ = self.token_stats(self.reference, mb, False)
         if old_logprobs is None:
             # One update per batch: π_old (the policy the batch is trained from) is exactly
             # the current π_θ before the update, so its log-probs are ours, detached.
@@ -358,10 +361,24 @@ class Trainer:
         for key, value in metrics.items():
             sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + value.double().cpu()
 
-    @staticmethod
-    def _logits(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-        return out.logits[:, :-1]
+    def token_stats(
+        self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs of mb.targets (and entropy) at the sampling temperature, in
+        the padded [B, L-1] frame. A packed micro-batch runs the model on its one
+        padding-free row and gathers the results back into that frame."""
+        temperature = self.cfg.sampling.temperature
+        if mb.packed is None:
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+            return token_logprobs_and_entropy(
+                out.logits[:, :-1], mb.targets, temperature, with_entropy
+            )
+        packed = mb.packed
+        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+        logprobs, entropy = token_logprobs_and_entropy(
+            out.logits[:, :-1], packed.input_ids[:, 1:], temperature, with_entropy
+        )  # [1, N-1]
+        return packed.unpack(logprobs), None if entropy is None else packed.unpack(entropy)
 
     def _grad_shards(self) -> list[torch.Tensor | None]:
         """A copy of this rank's shards of the accumulated gradients."""

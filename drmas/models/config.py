@@ -56,6 +56,9 @@ class ModelConfig:
     - bf16-pure: the weights themselves in bf16 (half the memory). AdamW updates smaller
       than bf16's resolution (~0.4 % of a weight) are lost, so at lr ~1e-6 most weights
       never move; kept for memory experiments, with a warning."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them
+    (less memory for ~1/3 more compute)."""
     dtype: str = ""
     """Removed (it meant bf16-pure for bfloat16): set `precision` instead."""
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)

@@ -467,3 +467,94 @@ def test_bf16_mixed_moves_master_weights_like_fp32(precision_runs: dict) -> None
     assert set(mixed_run["published"].values()) == {torch.bfloat16}
     assert {s.dtype for s in mixed_run["specs"]} == {"bfloat16"}
     assert {s.dtype for s in precision_runs["fp32"]["specs"]} == {"float32"}
+
+
+# ---------------------------------------------------------------------------------------
+# Memory savers: packing, token budgets and activation checkpointing change how the batch
+# is computed, never the loss or the gradient
+
+
+def grad_worker(rank: int, world_size: int, port: int, cfg, shard_list, out: str) -> None:
+    """One update's accumulated gradient (full tensors) and loss, without the step."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from drmas.learners.trainer import Trainer
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        trainer = Trainer(cfg, MODEL, rank, world_size, "cpu")
+        (mini,) = trainer._minibatches(shard_list[rank])
+        sums: dict = {}
+        for agent in trainer.agents:
+            for mb in mini.plan[agent]:
+                trainer._forward_backward(mb, mini.tokens, mini.samples, None, sums)
+        grads = {}
+        for name, p in trainer.model.named_parameters():
+            g = p.grad
+            grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+        loss = torch.tensor(float(sums["loss"]))
+        dist.all_reduce(loss)
+        layout = {a: [tuple(mb.input_ids.shape) for mb in mini.plan[a]] for a in trainer.agents}
+        packed = {a: [mb.packed is not None for mb in mini.plan[a]] for a in trainer.agents}
+        if rank == 0:
+            torch.save(
+                {"grads": grads, "loss": float(loss), "layout": layout, "packed": packed}, out
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def saver_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("savers")
+    model_dir = tiny_qwen2(tmp / "model")
+    samples = make_samples()
+    variants = {
+        "padded": {},
+        "packed": {"pack": True},
+        "budget": {"micro_batch_tokens": 16, "micro_batch_size": 8},
+        "packed_budget_2ranks": {"pack": True, "micro_batch_tokens": 16, "micro_batch_size": 8},
+        "checkpointing": {"activation_checkpointing": True},
+    }
+    out = {}
+    for name, settings in variants.items():
+        cfg = make_config(model_dir)
+        for key, value in settings.items():
+            target = cfg.models[MODEL] if key == "activation_checkpointing" else cfg.learner
+            setattr(target, key, value)
+        world = 2 if "2ranks" in name else 1
+        path = tmp / f"{name}.pt"
+        mp.spawn(
+            grad_worker,
+            args=(world, free_port(), cfg, shards(samples, world), str(path)),
+            nprocs=world,
+            join=True,
+        )
+        out[name] = torch.load(path, weights_only=False)
+    return out
+
+
+@pytest.mark.parametrize("variant", ["packed", "budget", "packed_budget_2ranks", "checkpointing"])
+def test_memory_savers_keep_loss_and_gradients(saver_runs: dict, variant: str) -> None:
+    base, run = saver_runs["padded"], saver_runs[variant]
+    assert run["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-7)
+    for name, g in base["grads"].items():
+        torch.testing.assert_close(run["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
+    assert any(float(g.abs().sum()) > 0 for g in base["grads"].values())
+
+
+def test_memory_savers_really_change_the_layout(saver_runs: dict) -> None:
+    """Not a vacuous equality: packing gives one padding-free row per micro-batch, and the
+    token budget splits what micro_batch_size alone would keep together."""
+    assert all(all(p) for p in saver_runs["packed"]["packed"].values())
+    padded = saver_runs["padded"]["layout"]
+    assert all(rows <= 2 for shapes in padded.values() for rows, _ in shapes)
+    assert not any(any(p) for p in saver_runs["padded"]["packed"].values())
+    budget = saver_runs["budget"]["layout"]
+    for shapes in budget.values():
+        assert all(rows * length <= 16 or rows == 1 for rows, length in shapes), shapes
+    assert sum(len(s) for s in budget.values()) > 2  # 8 rows would fit in one per agent
