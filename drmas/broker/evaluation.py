@@ -68,6 +68,28 @@ class EvalRound:
         for name, total in self.sums.items():
             out[f"val/{name}"] = total / self.counts[name]
             out[f"val/{name}/se"] = standard_error(self.task_means.get(name, []))
+        return out | self._per_source()
+
+    def _per_source(self) -> dict[str, float]:
+        """With tasks from two or more data sources (MATH500, AIME24, ...; NQ, HotpotQA,
+        ...): val/<source>/{avg@k,pass@k,tasks} and their standard errors, as the papers
+        report them (the averages over all tasks above weigh sources by their size)."""
+        source_of = {t.task_id: t.source or "default" for t in self.tasks}
+        by_source: dict[str, list[int]] = {}
+        for task_id, c in self.successes.items():
+            by_source.setdefault(source_of.get(task_id, "default"), []).append(c)
+        if len(by_source) < 2:
+            return {}
+        out: dict[str, float] = {}
+        for source, counts in sorted(by_source.items()):
+            per_task = {
+                f"avg@{self.k}": [c / self.n for c in counts],
+                f"pass@{self.k}": [pass_at_k(self.n, c, self.k) for c in counts],
+            }
+            out[f"val/{source}/tasks"] = float(len(counts))
+            for key, values in per_task.items():
+                out[f"val/{source}/{key}"] = sum(values) / len(values)
+                out[f"val/{source}/{key}/se"] = standard_error(values)
         return out
 
 

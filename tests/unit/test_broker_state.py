@@ -255,6 +255,23 @@ def test_episode_metrics_become_rollout_means_per_line_and_val_means_per_round()
     assert out["val/avg@2/se"] == pytest.approx(0.25)
     assert out["val/pass@2/se"] == pytest.approx(0.5)  # pass@2 per task 1, 0
     assert out["val/f1/se"] == pytest.approx(0.25)
+    assert not any(k.count("/") > 2 or k.startswith("val/default") for k in out)  # one source
+
+
+def test_validation_reports_each_data_source_when_there_are_several():
+    from drmas.broker.evaluation import EvalRound
+    from drmas.protocol.messages import Task
+
+    tasks = [Task("a", "q", "1", "math500"), Task("b", "q", "2", "math500"),
+             Task("c", "q", "3", "aime24")]  # fmt: skip
+    rnd = EvalRound(step=0, tasks=tasks, n=2, k=2)
+    for task, rewards in zip(tasks, ([1.0, 1.0], [0.0, 1.0], [0.0, 0.0])):
+        rnd.record(task, rewards)
+    out = rnd.metrics()
+    assert out["val/avg@2"] == pytest.approx(0.5)  # over all 3 tasks
+    assert out["val/math500/avg@2"] == 0.75 and out["val/math500/pass@2"] == 1.0
+    assert out["val/math500/tasks"] == 2.0 and out["val/math500/avg@2/se"] == pytest.approx(0.25)
+    assert out["val/aime24/avg@2"] == 0.0 and out["val/aime24/tasks"] == 1.0
 
 
 def test_a_model_called_in_few_episodes_still_gets_all_its_batches():
