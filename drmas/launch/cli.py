@@ -9,6 +9,7 @@
     drmas probe   [overrides] [--config F]    Lemma 4.2 on the team's learner: RUN_DIR/probe.json
     drmas status  ADDRESS [--json] [--keys D] what is attached to a running broker
     drmas keys    DIR [--clients a,b]         CURVE key pairs for broker and clients
+    drmas data    math|search FILE... --out F downloaded datasets -> drmas task JSONL
 
 Overrides use hydra syntax (`train.steps=10 experiment=tiny_math_shared`). `--config`
 loads a resolved RUN_DIR/config.yaml instead of composing configs/.
@@ -80,7 +81,46 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument(
         "--force", action="store_true", help="replace existing keys (all old keys stop working)"
     )
+    data = sub.add_parser(
+        "data",
+        help="convert downloaded datasets (parquet/jsonl/json) into drmas task files",
+        description="Reads the public datasets' shapes (DAPO-Math, MATH500, AIME, verl's "
+        "prompt/reward_model parquet; NQ/HotpotQA in Search-R1's shape) and writes JSONL "
+        "for task.train_path / task.val_path: math {question, answer, data_source}, search "
+        "{question, golden_answers, data_source}. Validation reports each data_source.",
+    )
+    data.add_argument("kind", choices=["math", "search"])
+    data.add_argument("inputs", nargs="+", help="downloaded .parquet / .jsonl / .json files")
+    data.add_argument("--out", required=True, help="JSONL file to write")
+    data.add_argument(
+        "--source", default="", help="data_source of rows without one (default: file stem)"
+    )
+    data.add_argument(
+        "--skip-bad", action="store_true", help="skip rows without question/answer (counted)"
+    )
     return p
+
+
+def _data(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from drmas.tasks.convert import ConvertError, convert
+
+    try:
+        counts = convert(
+            args.kind, [Path(p) for p in args.inputs], Path(args.out), args.source, args.skip_bad
+        )
+    except ConvertError as exc:
+        print(f"drmas data: {exc}", file=sys.stderr)
+        return 2
+    skipped = counts.pop("skipped", 0)
+    per_source = ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
+    print(
+        f"drmas data: wrote {sum(counts.values())} {args.kind} tasks to {args.out} "
+        f"({per_source}){f'; skipped {skipped} rows' if skipped else ''}",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _keys(folder: str, clients: str, *, force: bool) -> int:
@@ -128,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.command == "keys":
         return _keys(args.dir, args.clients, force=args.force)
+    if args.command == "data":
+        return _data(args)
 
     from drmas.launch.config import ConfigError, load_config
 
