@@ -50,17 +50,26 @@ def prepare(tmp: Path, cache: Path, *overrides: str) -> subprocess.CompletedProc
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hub")
     put_in_cache(root, "Qwen/Qwen2.5-3B-Instruct", COMMIT)
+    put_in_cache(root, "Qwen/Qwen3-4B", COMMIT)
     put_in_cache(root, "acme/tiny", COMMIT)
     put_in_cache(root, "acme/tiny", OTHER, ref=None)  # only reachable by its commit
     return root
 
 
-def test_search_recipe_resolves_its_hub_ids_offline(tmp_path: Path, cache: Path) -> None:
-    done = prepare(tmp_path, cache, "experiment=search", "task.train_path=train.parquet")
+@pytest.mark.parametrize(
+    ("experiment", "repo"),
+    [("search", "models--Qwen--Qwen2.5-3B-Instruct"), ("math", "models--Qwen--Qwen3-4B")],
+)
+def test_paper_recipes_resolve_their_hub_ids_offline(
+    tmp_path: Path, cache: Path, experiment: str, repo: str
+) -> None:
+    done = prepare(tmp_path, cache, f"experiment={experiment}", "task.train_path=train.jsonl",
+                   "placement.gpus=8")  # fmt: skip
     assert done.returncode == 0, done.stderr
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    want = str(cache / "models--Qwen--Qwen2.5-3B-Instruct" / "snapshots" / COMMIT)
+    want = str(cache / repo / "snapshots" / COMMIT)
     assert {m["path"] for m in saved["models"].values()} == {want}
+    assert "placement on 8 GPU(s)" in done.stderr  # the plan a GPU node would get
 
 
 def test_revision_picks_the_snapshot(tmp_path: Path, cache: Path) -> None:

@@ -38,3 +38,20 @@ def test_plans() -> None:
         "bfloat16",
         "bfloat16",
     ]
+
+
+@pytest.mark.parametrize("experiment", ["math", "search"])
+def test_paper_recipes_load_with_their_settings(experiment: str) -> None:
+    cfg = load_config([f"experiment={experiment}", "task.train_path=train.jsonl"])
+    assert all(m.precision == "bf16-mixed" for m in cfg.models.values())
+    assert all(m.lr == 1e-6 and m.weight_decay == 0.01 for m in cfg.models.values())
+    assert cfg.learner.pack and cfg.learner.micro_batch_tokens > 0
+    assert cfg.val.n == cfg.val.k == 16 and cfg.val.temperature == 0.6
+    if experiment == "math":
+        assert (cfg.group_size, cfg.batch_groups, cfg.learner.ppo_minibatches) == (8, 32, 1)
+        assert cfg.algorithm.invalid_action_penalty == 0.1
+        assert cfg.algorithm.loss.entropy_coef == 0.0
+        assert {m.path for m in cfg.models.values()} == {"Qwen/Qwen3-4B"}
+    else:
+        assert (cfg.group_size, cfg.batch_groups, cfg.learner.ppo_minibatches) == (5, 128, 5)
+        assert cfg.algorithm.invalid_action_penalty == 0.01
