@@ -64,6 +64,7 @@ def test_search_experiment_on_gpu_with_http_retriever(tmp_path: Path) -> None:
             "actor.engine.max_model_len=512",
             "actor.engine.gpu_memory_utilization=0.2",
             "learner.device=cuda",
+            "placement.learner_memory=0.1",  # three tiny learners share a GPU with 3 engines
             *(f"models.{m}.path=builtin:tiny-qwen2" for m in AGENTS),
             *(f"models.{m}.lr=1e-4" for m in AGENTS),
             *(f"models.{m}.warmstart.workflow=search" for m in AGENTS),
