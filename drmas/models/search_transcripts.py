@@ -127,6 +127,10 @@ class SearchSpec:
     """Fraction of first-query transcripts (SEARCH_NAME) that search the person's full
     name; the rest search the surname alone, which bm25 ranks among the surname's
     namesakes (a vaguer habit that RL has to grow out of; see SEARCH_QUERIES)."""
+    mixed_queries_from: float = 0.0
+    """Progress (fraction of the steps) from which full_name_query_frac applies; before it
+    every first query is the full name. Mixed from the start, the majority copy (the
+    surname) takes and the full name never does (P ~0 after 1200 steps at 30 %)."""
     seed: int = 0
     """Seed of the transcript stream and of the model's initialisation."""
     kb_version: int = kbmod.KB_VERSION
@@ -256,6 +260,8 @@ def _namesake(rng: random.Random, kb: KnowledgeBase, person: Person) -> Person:
 def draw(rng: random.Random, n: int, progress: float = 0.0, spec: SearchSpec = SEARCH) -> Pairs:
     """A batch of one kind, drawn from the curriculum phase `progress` falls in (then
     from kind_weights)."""
+    if progress < spec.mixed_queries_from:
+        spec = replace(spec, full_name_query_frac=1.0)
     facts = replace(spec.kb, seed=spec.kb.seed + 1 + rng.randrange(1 << 30))
     retriever = SimRetriever(kbmod.build(facts), spec.top_k)
     weights, start = spec.kind_weights, 0.0
@@ -401,13 +407,14 @@ SEARCH_QUERIES = replace(
         (0.35, (0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0)),
     ),
     full_name_query_frac=0.3,
+    mixed_queries_from=0.75,
 )
 """The Search Agent's own warm start (warmstart.workflow=search_queries): its two calls
 only, first queries then second queries, then both. Learned alone, each copy takes (the
-first query ~1.0 greedy after 1200 steps). Only 30 % of its first queries are the full
-name; the rest are the surname, which bm25 ranks among namesakes, so the team starts
-well below what its agents can do and RL has one clear thing to find: the full-name
-query pays."""
+first query ~1.0 greedy after 1200 steps). In the last quarter only 30 % of its first
+queries are the full name; the rest are the surname, which bm25 ranks among namesakes,
+so the team starts well below what its agents can do and RL has one clear thing to find:
+the full-name query pays."""
 
 
 def draw_queries(rng: random.Random, n: int, progress: float = 0.0) -> Pairs:

@@ -286,8 +286,9 @@ def test_word_tokenizer_round_trips_any_text_and_is_deterministic(
 
 
 def test_search_agent_warm_start_mixes_full_name_and_surname_queries() -> None:
-    """SEARCH_QUERIES: only the Search Agent's two calls; 30 % of first queries are the
-    full name, the rest the surname alone (RL has to find that the full name pays)."""
+    """SEARCH_QUERIES: only the Search Agent's two calls; in the last quarter 30 % of
+    first queries are the full name, the rest the surname alone (RL has to find that the
+    full name pays)."""
     spec = st.SEARCH_QUERIES
     retriever = st.SimRetriever(kb.build(spec.kb), spec.top_k)
     rng = random.Random(0)
@@ -303,6 +304,10 @@ def test_search_agent_warm_start_mixes_full_name_and_surname_queries() -> None:
             assert any(query == n.split()[-1] for n in names), (query, names)
             surname += 1
     assert 0.25 < full / 600 < 0.35
+    # before mixed_queries_from, every first query is the full name (the copy takes first)
+    early = [p for p in st.draw_queries(random.Random(1), 64, 0.1)]
+    early_queries = [sp.parse_search(r) for _, r in early]
+    assert all(q is not None and " " in q for q in early_queries), early_queries
     kinds = {st.KINDS[i] for i, w in enumerate(spec.kind_weights[:6]) if w > 0}
     assert kinds == {st.SEARCH_NAME, st.SEARCH_CITY}
     assert builtin.WARM_STARTS["search_queries"].spec is spec
