@@ -69,3 +69,25 @@ def test_bad_config_is_refused_before_anything_starts(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "algorithm.advantage.mode='median' is not one of" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_train_bf16_mixed_publishes_bf16_copies_of_fp32_masters(
+    tmp_path: Path, model_cache: Path
+) -> None:
+    """The GPU recipes' precision on CPU: fp32 masters train, the hf engines run bf16 and
+    receive bf16 copies whose digests match what the learners published."""
+    run_dir = tmp_path / "run"
+    out = drmas(
+        "train",
+        *FAST,
+        "models.solver.precision=bf16-mixed",
+        "models.verifier.precision=bf16-mixed",
+        "actor.engine.dtype=bfloat16",
+        f"run.dir={run_dir}",
+        f"run.cache_dir={model_cache}",
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = check_run(run_dir, {"solver", "verifier"}, 4)
+    c = summary["counters"]
+    assert c["weight_digest_match"] == c["weight_loads"] > 0
+    assert c.get("weight_digest_mismatch", 0) == 0
