@@ -395,7 +395,8 @@ def test_learner_process_trains_publishes_and_saves(tmp_path: Path) -> None:
 # Precision: fp32 master weights with bf16 compute train like fp32 at the paper's lr
 
 
-def precision_worker(rank: int, port: int, cfg, shard_list, out: str, steps: int) -> None:
+def precision_worker(rank: int, port: int, cfgs, shard_list, out: str, steps: int) -> None:
+    """Each config in turn, in one process (one gloo group): `steps` updates each."""
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -403,21 +404,21 @@ def precision_worker(rank: int, port: int, cfg, shard_list, out: str, steps: int
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        trainer = Trainer(cfg, MODEL, 0, 1, "cpu")
-        before = {k: v.float() for k, v in trainer.full_state_dict_iter()}
-        for _ in range(steps):
-            trainer.step(shard_list[0])
-        after = dict(trainer.full_state_dict_iter())
-        published = dict(trainer.full_state_dict_iter(dtype=trainer.publish_dtype))
-        torch.save(
-            {
+        results = {}
+        for name, cfg in cfgs.items():
+            trainer = Trainer(cfg, MODEL, 0, 1, "cpu")
+            before = {k: v.float() for k, v in trainer.full_state_dict_iter()}
+            for _ in range(steps):
+                trainer.step(shard_list[0])
+            after = dict(trainer.full_state_dict_iter())
+            published = dict(trainer.full_state_dict_iter(dtype=trainer.publish_dtype))
+            results[name] = {
                 "before": before,
                 "after": after,
                 "specs": trainer.param_specs(),
                 "published": {k: v.dtype for k, v in published.items()},
-            },
-            out,
-        )
+            }
+        torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
@@ -427,21 +428,21 @@ def precision_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """10 AdamW steps at lr 1e-6 on the same batch under each precision."""
     tmp = tmp_path_factory.mktemp("precision")
     model_dir = tiny_qwen2(tmp / "model")
-    out = {}
+    cfgs = {}
     for precision in ("fp32", "bf16-mixed", "bf16-pure"):
         cfg = make_config(model_dir)
         cfg.models[MODEL].lr = 1e-6
         cfg.models[MODEL].precision = precision
         cfg.learner.grad_clip = 1e9  # AdamW's step size, not the clip, sets the update
-        path = tmp / f"{precision}.pt"
-        mp.spawn(
-            precision_worker,
-            args=(free_port(), cfg, shards(make_samples(), 1), str(path), 10),
-            nprocs=1,
-            join=True,
-        )
-        out[precision] = torch.load(path, weights_only=False)
-    return out
+        cfgs[precision] = cfg
+    path = tmp / "precision.pt"
+    mp.spawn(
+        precision_worker,
+        args=(free_port(), cfgs, shards(make_samples(), 1), str(path), 10),
+        nprocs=1,
+        join=True,
+    )
+    return torch.load(path, weights_only=False)
 
 
 def _deltas(run: dict) -> torch.Tensor:
@@ -474,8 +475,8 @@ def test_bf16_mixed_moves_master_weights_like_fp32(precision_runs: dict) -> None
 # is computed, never the loss or the gradient
 
 
-def grad_worker(rank: int, world_size: int, port: int, cfg, shard_list, out: str) -> None:
-    """One update's accumulated gradient (full tensors) and loss, without the step."""
+def grad_worker(rank: int, world_size: int, port: int, cfgs, shard_list, out: str) -> None:
+    """Per config: one update's accumulated gradient (full tensors) and loss, no step."""
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -486,24 +487,29 @@ def grad_worker(rank: int, world_size: int, port: int, cfg, shard_list, out: str
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        trainer = Trainer(cfg, MODEL, rank, world_size, "cpu")
-        (mini,) = trainer._minibatches(shard_list[rank])
-        sums: dict = {}
-        for agent in trainer.agents:
-            for mb in mini.plan[agent]:
-                trainer._forward_backward(mb, mini.tokens, mini.samples, None, sums)
-        grads = {}
-        for name, p in trainer.model.named_parameters():
-            g = p.grad
-            grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
-        loss = torch.tensor(float(sums["loss"]))
-        dist.all_reduce(loss)
-        layout = {a: [tuple(mb.input_ids.shape) for mb in mini.plan[a]] for a in trainer.agents}
-        packed = {a: [mb.packed is not None for mb in mini.plan[a]] for a in trainer.agents}
+        results = {}
+        for name, cfg in cfgs.items():
+            trainer = Trainer(cfg, MODEL, rank, world_size, "cpu")
+            (mini,) = trainer._minibatches(shard_list[rank])
+            sums: dict = {}
+            for agent in trainer.agents:
+                for mb in mini.plan[agent]:
+                    trainer._forward_backward(mb, mini.tokens, mini.samples, None, sums)
+            grads = {}
+            for pname, p in trainer.model.named_parameters():
+                g = p.grad
+                grads[pname] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+            loss = torch.tensor(float(sums["loss"]))
+            dist.all_reduce(loss)
+            plan = mini.plan
+            results[name] = {
+                "grads": grads,
+                "loss": float(loss),
+                "layout": {a: [tuple(mb.input_ids.shape) for mb in plan[a]] for a in plan},
+                "packed": {a: [mb.packed is not None for mb in plan[a]] for a in plan},
+            }
         if rank == 0:
-            torch.save(
-                {"grads": grads, "loss": float(loss), "layout": layout, "packed": packed}, out
-            )
+            torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
@@ -517,24 +523,32 @@ def saver_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "padded": {},
         "packed": {"pack": True},
         "budget": {"micro_batch_tokens": 16, "micro_batch_size": 8},
-        "packed_budget_2ranks": {"pack": True, "micro_batch_tokens": 16, "micro_batch_size": 8},
         "checkpointing": {"activation_checkpointing": True},
+        "packed_budget_2ranks": {"pack": True, "micro_batch_tokens": 16, "micro_batch_size": 8},
     }
-    out = {}
+    cfgs = {}
     for name, settings in variants.items():
         cfg = make_config(model_dir)
         for key, value in settings.items():
             target = cfg.models[MODEL] if key == "activation_checkpointing" else cfg.learner
             setattr(target, key, value)
-        world = 2 if "2ranks" in name else 1
-        path = tmp / f"{name}.pt"
+        cfgs[name] = cfg
+    out = {}
+    for world, names in ((1, list(variants)[:4]), (2, list(variants)[4:])):
+        path = tmp / f"world{world}.pt"
         mp.spawn(
             grad_worker,
-            args=(world, free_port(), cfg, shards(samples, world), str(path)),
+            args=(
+                world,
+                free_port(),
+                {n: cfgs[n] for n in names},
+                shards(samples, world),
+                str(path),
+            ),
             nprocs=world,
             join=True,
         )
-        out[name] = torch.load(path, weights_only=False)
+        out |= torch.load(path, weights_only=False)
     return out
 
 

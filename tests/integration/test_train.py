@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 from tests.integration.conftest import FAST, drmas, read_metrics, read_summary
@@ -39,11 +40,26 @@ def check_run(run_dir: Path, models: set[str], steps: int) -> dict:
 
 
 def test_train_non_shared(tmp_path: Path, model_cache: Path) -> None:
+    """Also the GPU recipes' precision on CPU, for the Verifier's model: fp32 masters
+    train under bf16-mixed, its hf engine runs bf16 and receives bf16 copies whose digests
+    match what the learner published (the Solver stays fp32 end to end)."""
     run_dir = tmp_path / "run"
-    out = drmas("train", *FAST, f"run.dir={run_dir}", f"run.cache_dir={model_cache}")
+    out = drmas(
+        "train",
+        *FAST,
+        "models.verifier.precision=bf16-mixed",
+        "+actor.pools={verifier: {dtype: bfloat16}}",
+        f"run.dir={run_dir}",
+        f"run.cache_dir={model_cache}",
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "step    4/4" in out.stdout
-    check_run(run_dir, {"solver", "verifier"}, 4)
+    summary = check_run(run_dir, {"solver", "verifier"}, 4)
+    c = summary["counters"]
+    assert c["weight_digest_match"] == c["weight_loads"] > 0
+    assert c.get("weight_digest_mismatch", 0) == 0
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["actor"]["pools"]["verifier"]["dtype"] == "bfloat16"
 
 
 def test_train_shared_model_two_fsdp_ranks(tmp_path: Path, model_cache: Path) -> None:
@@ -69,25 +85,3 @@ def test_bad_config_is_refused_before_anything_starts(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "algorithm.advantage.mode='median' is not one of" in out.stderr
     assert not (tmp_path / "run").exists()
-
-
-def test_train_bf16_mixed_publishes_bf16_copies_of_fp32_masters(
-    tmp_path: Path, model_cache: Path
-) -> None:
-    """The GPU recipes' precision on CPU: fp32 masters train, the hf engines run bf16 and
-    receive bf16 copies whose digests match what the learners published."""
-    run_dir = tmp_path / "run"
-    out = drmas(
-        "train",
-        *FAST,
-        "models.solver.precision=bf16-mixed",
-        "models.verifier.precision=bf16-mixed",
-        "actor.engine.dtype=bfloat16",
-        f"run.dir={run_dir}",
-        f"run.cache_dir={model_cache}",
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    summary = check_run(run_dir, {"solver", "verifier"}, 4)
-    c = summary["counters"]
-    assert c["weight_digest_match"] == c["weight_loads"] > 0
-    assert c.get("weight_digest_mismatch", 0) == 0
