@@ -43,11 +43,14 @@ class ArithmeticSpec:
     """A wrong Solver answer is off by 1..max_wrong_offset."""
     verifier_label_noise: float = 0.2
     """Fraction of Verifier transcripts whose verdict is flipped (an imperfect verifier)."""
-    verifier_correct_frac: float = 0.7
+    verifier_correct_frac: float = 0.6
     """Fraction of Verifier transcripts whose Solver answer is right. A balanced mix left
     the tiny Verifier at chance but nearly always saying "no" (entropy ~0.06), so correct
-    first answers were thrown away and RL had no verdict to explore; like the Solver it
-    judges, the warm-started Verifier should lean to approval and keep some doubt."""
+    first answers were thrown away and RL had no verdict to explore. With label noise 0.2
+    the transcripts say "yes" 56 % of the time: the warm-started Verifier leans to
+    approval but rejects often, which the team must learn to stop. At 0.7 (62 % "yes")
+    the team started higher (held-out avg@2 0.71-0.73) and gained +0.09 to +0.14 in 30
+    steps; at 0.6 it starts at 0.50-0.56 and gains about +0.2 (tiny_math.yaml)."""
     kind_weights: tuple[float, float, float] = (0.9, 0.05, 0.05)
     """Mix of transcript kinds: Solver first turn, Verifier, Solver after a rejection. The
     two later kinds are 2-3x longer; a few percent teaches their format, and more of them
