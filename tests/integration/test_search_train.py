@@ -28,6 +28,8 @@ SMALL = [
     "weights.timeout_s=20",
     # a short warm start: enough to write the tags sometimes, so searches happen
     *(f"models.{m}.warmstart.steps=300" for m in AGENTS),
+    # one build for all three (the Search Agent's own warm start is a second build)
+    "models.searcher.warmstart.workflow=search",
 ]
 
 
