@@ -10,6 +10,7 @@
     drmas status  ADDRESS [--json] [--keys D] what is attached to a running broker
     drmas keys    DIR [--clients a,b]         CURVE key pairs for broker and clients
     drmas data    math|search FILE... --out F downloaded datasets -> drmas task JSONL
+    drmas report  RUN_DIR... --out DIR        plots and gradient-spike statistics of runs
 
 Overrides use hydra syntax (`train.steps=10 experiment=tiny_math_shared`). `--config`
 loads a resolved RUN_DIR/config.yaml instead of composing configs/.
@@ -98,7 +99,35 @@ def _parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--skip-bad", action="store_true", help="skip rows without question/answer (counted)"
     )
+    report = sub.add_parser(
+        "report",
+        help="plot runs (reward, validation, gradient norms, advantages, staleness, "
+        "throughput) and write gradient-spike statistics",
+        description="Writes DIR/*.png (several runs overlaid, labelled from their configs), "
+        "DIR/summary.json and DIR/summary.md (per model and agent: max / median / p95 "
+        "gradient norm, spikes, skipped non-finite steps; first, final and best "
+        "validation with standard errors).",
+    )
+    report.add_argument("runs", nargs="+", help="run folders (each with metrics.jsonl)")
+    report.add_argument("--out", required=True, help="folder to write")
     return p
+
+
+def _report(args: argparse.Namespace) -> int:
+    from drmas.launch.report import write_report
+
+    try:
+        drawn = write_report(args.runs, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"drmas report: {exc}", file=sys.stderr)
+        return 2
+    skipped = drawn.pop("skipped")
+    print(
+        f"drmas report: {len(drawn)} plots and summary.md / summary.json in {args.out}"
+        + (f"; skipped (no such metrics): {', '.join(skipped)}" if skipped else ""),
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _data(args: argparse.Namespace) -> int:
@@ -170,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         return _keys(args.dir, args.clients, force=args.force)
     if args.command == "data":
         return _data(args)
+    if args.command == "report":
+        return _report(args)
 
     from drmas.launch.config import ConfigError, load_config
 

@@ -60,6 +60,53 @@ def test_train_non_shared(tmp_path: Path, model_cache: Path) -> None:
     assert c.get("weight_digest_mismatch", 0) == 0
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["actor"]["pools"]["verifier"]["dtype"] == "bfloat16"
+    check_report(run_dir, tmp_path)
+
+
+def check_report(run_dir: Path, tmp_path: Path) -> None:
+    """drmas report on this run and on an "older" copy of it without gradient metrics,
+    overlaid: every panel of both opens, has titled axes and one line per run holding
+    the metric; the older run's missing panel data is skipped, not an error."""
+    import json
+
+    import matplotlib.image
+
+    from drmas.launch.report import write_report
+
+    older = tmp_path / "older"
+    older.mkdir()
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    stripped = [{k: v for k, v in x.items() if "grad_norm" not in k} for x in lines]
+    (older / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in stripped))
+    out = tmp_path / "report"
+    cli = drmas("report", str(run_dir), str(older), "--out", str(out))
+    assert cli.returncode == 0, cli.stderr
+    drawn = write_report([run_dir, older], tmp_path / "report2")
+    assert drawn.pop("skipped") == []
+    assert {"reward", "validation_avg", "grad_norm", "advantage_std", "throughput"} <= set(drawn)
+    for name, panel in drawn.items():
+        image = matplotlib.image.imread(panel["file"])
+        assert image.shape[0] > 100 and image.shape[1] > 100, name
+        for axis in panel["axes"]:
+            assert axis["title"] and axis["xlabel"] == "step" and axis["ylabel"]
+            if "grad_norm" in name:
+                # the older run has none; an agent whose advantages were all 0 in these 4
+                # steps has norm 0 throughout, which a log axis cannot show
+                assert axis["lines"] <= 1, (name, axis)
+            else:
+                assert axis["lines"] == 2, (name, axis)
+    # the Solver always has a gradient (its reward varies within groups)
+    solver = next(a for a in drawn["grad_norm"]["axes"] if a["title"] == "grad_norm/solver")
+    assert solver["lines"] == 1
+    summary = json.loads((out / "summary.json").read_text())
+    (labelled, _), (older_label, _) = [(r["label"], r["path"]) for r in summary["runs"]]
+    assert labelled.startswith("agent seed 0/0 η=1") and older_label == "older"
+    spikes = summary["spikes"][labelled]
+    assert spikes["model solver"]["steps"] == 4 and spikes["model solver"]["skipped_nonfinite"] == 0
+    assert summary["spikes"]["older"] == {}
+    final = summary["validation"][labelled]["val/avg@2"]["final"]
+    assert final["step"] == 4 and final["se"] is not None
+    assert "## Gradient norms" in (out / "summary.md").read_text()
 
 
 def test_train_shared_model_two_fsdp_ranks(tmp_path: Path, model_cache: Path) -> None:
