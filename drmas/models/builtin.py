@@ -140,7 +140,8 @@ def cache_key(name: str, warmstart: WarmStartConfig) -> str:
             WARM_STARTS[warmstart.workflow].tokenizer,
             WARM_STARTS[warmstart.workflow].vocab_size,
         ],
-        "warmstart": asdict(warmstart),
+        # seed 0 stays out, so the default models keep the key they had before seeds
+        "warmstart": {k: v for k, v in asdict(warmstart).items() if k != "seed" or v},
         "transcripts": asdict(WARM_STARTS[warmstart.workflow].spec),
         "instructions": WARM_STARTS[warmstart.workflow].instructions,
         "builder_version": BUILDER_VERSION,
@@ -215,7 +216,7 @@ def build_qwen2(folder: Path, warmstart: WarmStartConfig, architecture: dict[str
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng():
-            torch.manual_seed(source.seed)
+            torch.manual_seed(source.seed + warmstart.seed)
             model = Qwen2ForCausalLM(config).float()
             if warmstart.steps > 0:
                 warm_start(model, tokenizer, warmstart, source)

@@ -17,6 +17,10 @@ class WarmStartConfig:
     """Transcripts per step."""
     lr: float = 1.5e-3
     """AdamW learning rate of the warm start."""
+    seed: int = 0
+    """Added to the transcripts' own seed: another initialisation and transcript stream,
+    hence another warm-started model (seed studies vary it with the task and sampling
+    seeds). 0 keeps the default model and its cache key."""
     workflow: str = "math"
     """Which transcripts it trains on: math | search (every search-team agent) |
     search_queries (the Search Agent's calls only). The defaults above are math's; a

@@ -127,7 +127,7 @@ def warm_start(
     accuracy jump late in training."""
     import torch
 
-    rng = random.Random(source.seed)
+    rng = random.Random(source.seed + cfg.seed)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.98)
     )

@@ -98,6 +98,10 @@ def test_cache_key_covers_what_changes_the_model(monkeypatch: pytest.MonkeyPatch
     assert builtin.cache_key("tiny-qwen2", WarmStartConfig(steps=5, batch_size=4, lr=1e-3)) == key
     assert builtin.cache_key("tiny-qwen2", WarmStartConfig(steps=6, batch_size=4, lr=1e-3)) != key
     assert builtin.cache_key("tiny-qwen2", WarmStartConfig(steps=5, batch_size=4, lr=2e-3)) != key
+    assert (
+        builtin.cache_key("tiny-qwen2", WarmStartConfig(steps=5, batch_size=4, lr=1e-3, seed=1))
+        != key
+    )
     monkeypatch.setattr(builtin, "BUILDER_VERSION", builtin.BUILDER_VERSION + 1)
     assert builtin.cache_key("tiny-qwen2", TINY) != key
     monkeypatch.undo()
@@ -279,3 +283,19 @@ def test_warm_start_never_shows_a_validation_question() -> None:
             seen.add(q.group(1))
     assert not seen & val
     assert len(seen) == 800 - len(val)  # every other question is still taught
+
+
+def test_warm_start_seed_builds_another_model(tmp_path: Path) -> None:
+    """Seed studies: warmstart.seed changes the initialisation and transcript stream; seed
+    0 is the default model (same key as before seeds existed)."""
+    from safetensors.torch import load_file
+
+    def weights(seed: int) -> dict[str, torch.Tensor]:
+        cfg = WarmStartConfig(steps=2, batch_size=2, lr=1e-3, seed=seed)
+        folder = builtin.resolve_model_path("builtin:tiny-qwen2", str(tmp_path), cfg)
+        return load_file(str(folder / "model.safetensors"))
+
+    zero, one, zero_again = weights(0), weights(1), weights(0)
+    name = "model.embed_tokens.weight"
+    assert torch.equal(zero[name], zero_again[name])
+    assert not torch.equal(zero[name], one[name])
