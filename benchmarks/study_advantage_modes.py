@@ -1,0 +1,216 @@
+"""Dr. MAS against GRPO and its ablations on this machine's teams, over seeds.
+
+    python benchmarks/study_advantage_modes.py [--only GROUP ...] [--dry-run] [--summarize]
+    python benchmarks/study_advantage_modes.py --smoke --out /tmp/study   (2 tiny runs)
+
+Runs `drmas train` once per (group, mode, seed) in the plan below, one at a time, each
+into benchmarks/results/study/runs/<name>/ (kept: `drmas report` reads them), and writes
+benchmarks/results/study/<name>.json when the run has finished. Resumable: a run whose
+JSON exists is skipped, so the study can be stopped and continued. --summarize (also done
+after the runs) writes benchmarks/results/study/study_summary.json:
+- per group and mode: final validation avg@k and pass@k, mean ± 95 % CI over seeds
+  (Student t), and the gradient-spike statistics of `drmas report`;
+- per group: the paired difference agent − global over the seeds both have, with its
+  95 % CI, and whether the interval excludes 0.
+
+A seed s changes everything random at once: the warm-started models
+(models.<m>.warmstart.seed; a new model is built and cached per seed), the task stream
+(task.seed) and the sampling (actor.engine.seed). Main comparisons are synchronous
+(algorithm.max_staleness=0, the paper's setting); the `async` group repeats one pair at
+η = 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "benchmarks" / "results" / "study"
+sys.path.insert(0, str(REPO))
+
+from drmas.launch.report_stats import load_run, spike_stats  # noqa: E402
+
+VAL = ["val.every=1000", "val.num_tasks=256", "val.n=8", "val.k=8"]  # step 0 and the end
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    overrides: tuple[str, ...]
+    models: tuple[str, ...]  # whose warm start the seed varies
+    modes: tuple[str, ...]
+    seeds: tuple[int, ...]
+    minutes: float  # measured cost of one run with cached models (estimate for --dry-run)
+    build_minutes: float  # one new warm-started model set per seed
+
+
+PLAN = (
+    Group("math", ("algorithm.max_staleness=0", *VAL), ("solver", "verifier"),
+          ("agent", "global"), (0, 1, 2, 3, 4), 5.0, 3.7),
+    Group("math_ablation", ("algorithm.max_staleness=0", *VAL), ("solver", "verifier"),
+          ("agent_mean", "agent_std", "step_global"), (0, 1, 2), 5.0, 0.0),
+    Group("math_shared", ("experiment=tiny_math_shared", "algorithm.max_staleness=0", *VAL),
+          ("policy",), ("agent", "global"), (0, 1, 2), 5.0, 3.7),
+    Group("math_hetero", ("experiment=tiny_math_hetero", "algorithm.max_staleness=0", *VAL),
+          ("solver", "verifier"), ("agent", "global"), (0, 1, 2), 8.0, 6.0),
+    Group("search", ("experiment=search_tiny", "algorithm.max_staleness=0",
+                     "val.every=1000", "val.n=8", "val.k=8"),
+          ("verifier", "searcher", "answerer"), ("agent", "global"), (0, 1, 2, 3, 4), 8.0, 7.0),
+    Group("async", ("algorithm.max_staleness=1", *VAL), ("solver", "verifier"),
+          ("agent", "global"), (0,), 4.0, 0.0),
+)  # fmt: skip
+
+
+SMOKE = Group(
+    "smoke",
+    ("algorithm.max_staleness=0", "train.steps=2", "group_size=4", "batch_groups=2",
+     "val.every=1000", "val.num_tasks=8", "val.n=2", "val.k=2",
+     "models.solver.warmstart.steps=20", "models.verifier.warmstart.steps=20"),
+    ("solver", "verifier"), ("agent", "global"), (0, 1), 1.0, 0.2,
+)  # fmt: skip
+"""Checks the script end to end in minutes (not a result)."""
+
+
+def runs(groups: list[Group]) -> list[tuple[str, Group, str, int]]:
+    return [(f"{g.name}_{mode}_s{seed}", g, mode, seed)
+            for g in groups for seed in g.seeds for mode in g.modes]  # fmt: skip
+
+
+def overrides(group: Group, mode: str, seed: int, run_dir: Path) -> list[str]:
+    return [
+        *group.overrides,
+        f"algorithm.advantage.mode={mode}",
+        f"task.seed={seed}",
+        f"actor.engine.seed={seed}",
+        *(f"models.{m}.warmstart.seed={seed}" for m in group.models),
+        f"run.dir={run_dir}",
+        "train.progress=false",
+    ]
+
+
+def run_one(name: str, group: Group, mode: str, seed: int) -> None:
+    result = OUT / f"{name}.json"
+    if result.is_file():
+        print(f"{name}: done before, skipped", flush=True)
+        return
+    run_dir = OUT / "runs" / name
+    if run_dir.exists():  # an interrupted attempt: start it again from scratch
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "drmas.launch.cli",
+        "train",
+        *overrides(group, mode, seed, run_dir),
+    ]
+    start = time.monotonic()
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    wall = time.monotonic() - start
+    if done.returncode != 0:
+        print(f"{name}: FAILED ({done.returncode}); see {run_dir / 'logs'}\n{done.stderr[-2000:]}")
+        return
+    run = load_run(run_dir)
+    final = run.validation[-1] if run.validation else {}
+    OUT.mkdir(parents=True, exist_ok=True)
+    result.write_text(json.dumps({
+        "name": name, "group": group.name, "mode": mode, "seed": seed, "wall_s": wall,
+        "command": "drmas train " + " ".join(argv[4:]),
+        "validation": run.validation, "final": final, "spikes": spike_stats(run),
+    }, indent=2))  # fmt: skip
+    print(f"{name}: {wall:.0f} s, final {_val_line(final)}", flush=True)
+
+
+def _val_line(line: dict) -> str:
+    return ", ".join(
+        f"{k} {v:.3f}" for k, v in line.items() if k.startswith("val/") and k.count("/") == 1
+    )
+
+
+def mean_ci(values: list[float]) -> dict[str, float | int | None]:
+    """Mean and 95 % Student-t interval over independent seeds."""
+    n = len(values)
+    if n == 0:
+        return {"n": 0, "mean": None, "lo": None, "hi": None}
+    mean = statistics.fmean(values)
+    if n == 1:
+        return {"n": 1, "mean": mean, "lo": None, "hi": None}
+    half = _t975(n - 1) * statistics.stdev(values) / math.sqrt(n)
+    return {"n": n, "mean": mean, "lo": mean - half, "hi": mean + half}
+
+
+def _t975(df: int) -> float:
+    table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+             9: 2.262, 10: 2.228}  # fmt: skip
+    return table.get(df, 1.96 + 2.5 / df)
+
+
+def summarize() -> dict:
+    results = [
+        json.loads(p.read_text())
+        for p in sorted(OUT.glob("*.json"))
+        if p.name != "study_summary.json"
+    ]
+    out: dict = {"groups": {}}
+    for group in sorted({r["group"] for r in results}):
+        mine = [r for r in results if r["group"] == group]
+        keys = sorted({k for r in mine for k in r["final"] if k.startswith(("val/avg@", "val/pass@"))
+                       and k.count("/") == 1})  # fmt: skip
+        modes = {}
+        for mode in sorted({r["mode"] for r in mine}):
+            rs = [r for r in mine if r["mode"] == mode]
+            modes[mode] = {k: mean_ci([r["final"][k] for r in rs if k in r["final"]]) for k in keys}
+            modes[mode]["seeds"] = sorted(r["seed"] for r in rs)
+        paired = {}
+        by = {(r["mode"], r["seed"]): r for r in mine}
+        for k in keys:
+            diffs = [by[("agent", s)]["final"][k] - by[("global", s)]["final"][k]
+                     for (m, s) in by if m == "agent" and ("global", s) in by]  # fmt: skip
+            ci = mean_ci(diffs)
+            lo, hi = ci["lo"], ci["hi"]
+            ci["significant"] = lo is not None and hi is not None and (lo > 0 or hi < 0)
+            paired[k] = ci
+        out["groups"][group] = {"modes": modes, "agent_minus_global": paired}
+    (OUT / "study_summary.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
+def main() -> int:
+    global OUT
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="*", help="groups to run (default: all)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time")
+    p.add_argument("--summarize", action="store_true", help="only rewrite study_summary.json")
+    p.add_argument("--smoke", action="store_true", help="two tiny runs per mode instead")
+    p.add_argument("--out", default=str(OUT), help="results folder")
+    args = p.parse_args()
+    OUT = Path(args.out)
+    plan = (SMOKE,) if args.smoke else PLAN
+    groups = [g for g in plan if not args.only or g.name in args.only]
+    if args.summarize:
+        print(json.dumps(summarize(), indent=2))
+        return 0
+    todo = runs(groups)
+    if args.dry_run:
+        left = [r for r in todo if not (OUT / f"{r[0]}.json").is_file()]
+        minutes = sum(g.minutes for _, g, _, _ in left)
+        minutes += sum(g.build_minutes * len(g.seeds) for g in groups)
+        print(f"{len(left)} of {len(todo)} runs left, about {minutes:.0f} min with builds:")
+        for name, *_ in left:
+            print(" ", name)
+        return 0
+    for name, group, mode, seed in todo:
+        run_one(name, group, mode, seed)
+    summarize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
