@@ -140,15 +140,14 @@ def chunks(lengths: Sequence[int], max_rows: int, max_tokens: int, packed: bool)
     most that many tokens (padded: rows x longest; packed: the sum). A sample longer than
     the budget gets a micro-batch of its own."""
     out: list[range] = []
-    start, longest = 0, 0
+    start, longest, total = 0, 0, 0  # of the open run
     for i, n in enumerate(lengths):
         rows = i - start + 1
-        grown = max(longest, n)
-        cost = sum(lengths[start : i + 1]) if packed else rows * grown
+        cost = total + n if packed else rows * max(longest, n)
         if i > start and (rows > max_rows or (max_tokens > 0 and cost > max_tokens)):
             out.append(range(start, i))
-            start, grown = i, n
-        longest = grown
+            start, longest, total = i, 0, 0
+        longest, total = max(longest, n), total + n
     if lengths:
         out.append(range(start, len(lengths)))
     return out

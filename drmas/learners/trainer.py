@@ -157,10 +157,10 @@ class Trainer:
         self.vocab_size = int(self.model.config.vocab_size)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         mesh = init_device_mesh(self.device.type, (world_size,))
-        kwargs = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
+        mp_policy = policy or MixedPrecisionPolicy()  # the default policy casts nothing
         for layer in decoder_layers(self.model):
-            fully_shard(layer, **kwargs)
-        fully_shard(self.model, **kwargs)  # one code path, also for world_size 1
+            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(self.model, mesh=mesh, mp_policy=mp_policy)  # also for world_size 1
 
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
