@@ -433,7 +433,8 @@ class BrokerState:
         if not every:
             return
         step = min(self.versions.values())
-        due = [*range(0, step + 1, every), *([steps] if step >= steps else [])]
+        first = 0 if self.cfg.val.at_start else every
+        due = [*range(first, step + 1, every), *([steps] if step >= steps else [])]
         for s in due:
             if s not in self.eval_scheduled:
                 self.eval_scheduled.add(s)

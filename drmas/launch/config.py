@@ -56,6 +56,8 @@ class ValConfig:
 
     every: int = 10
     """Evaluate every this many steps (0 = never); also at the end."""
+    at_start: bool = True
+    """Also evaluate before the first step (false: the first round is at step `every`)."""
     num_tasks: int = 32
     """Held-out tasks per evaluation."""
     n: int = 4

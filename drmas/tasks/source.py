@@ -78,15 +78,18 @@ class TaskSource:
             "requeued": [task.task_id for task in self._requeued],
             "num_train": len(self.train),
             "seed": self.cfg.seed,
+            "order_seed": self._order_seed,
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         epoch, index = int(state["epoch"]), int(state["index"])
         num_train = state.get("num_train", len(self.train))
-        if num_train != len(self.train) or state.get("seed", self.cfg.seed) != self.cfg.seed:
+        seeds = (state.get("seed", self.cfg.seed), state.get("order_seed", self._order_seed))
+        if num_train != len(self.train) or seeds != (self.cfg.seed, self._order_seed):
             raise ValueError(
-                f"task source state is for {num_train} training tasks with seed "
-                f"{state.get('seed')}, this source has {len(self.train)} with seed {self.cfg.seed}"
+                f"task source state is for {num_train} training tasks with (seed, order seed) "
+                f"{seeds}, this source has {len(self.train)} with "
+                f"{(self.cfg.seed, self._order_seed)}: resume with the run's task settings"
             )
         if epoch < 0 or not (0 <= index < len(self.train)):
             raise ValueError(f"task source state out of range: epoch {epoch}, index {index}")
@@ -97,9 +100,13 @@ class TaskSource:
         self._order = self._epoch_order(epoch)
         self._requeued = deque(self._by_id[tid] for tid in state.get("requeued", []))
 
+    @property
+    def _order_seed(self) -> int:
+        return self.cfg.seed if self.cfg.order_seed is None else self.cfg.order_seed
+
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.train)))
-        random.Random(f"drmas.tasks:{self.cfg.seed}:{epoch}").shuffle(order)
+        random.Random(f"drmas.tasks:{self._order_seed}:{epoch}").shuffle(order)
         return order
 
     # ---------------------------------------------------------------- evaluation

@@ -316,3 +316,15 @@ def test_skipped_optimizer_updates_are_totalled_per_model():
     st.step_report("solver", 3, {"skipped_steps/solver": 1.0})
     assert st.counters["skipped_steps/solver"] == 3
     assert st.counters["skipped_steps/verifier"] == 1
+
+
+@pytest.mark.parametrize(("at_start", "rounds"), [(True, [0, 2, 3]), (False, [2, 3])])
+def test_validation_rounds_are_every_n_steps_the_end_and_step_0_unless_switched_off(
+    at_start, rounds
+):
+    st = make_state("val.every=2", f"val.at_start={str(at_start).lower()}", "val.num_tasks=2")
+    st._schedule_eval()
+    assert sorted(st.eval_scheduled) == ([0] if at_start else [])  # before any step
+    st.versions = {"solver": 3, "verifier": 3}
+    st._schedule_eval()
+    assert sorted(st.eval_scheduled) == rounds

@@ -102,6 +102,16 @@ def test_epochs_cover_every_task_and_reshuffle() -> None:
     assert _take(TaskSource(_cfg(seed=8)), 20) != epoch0
 
 
+def test_order_seed_changes_the_stream_but_not_the_tasks_or_the_held_out_split() -> None:
+    base, reordered = TaskSource(_cfg()), TaskSource(_cfg(order_seed=3))
+    assert reordered.val == base.val
+    assert sorted(t.task_id for t in reordered.train) == sorted(t.task_id for t in base.train)
+    assert _take(reordered, 20) != _take(base, 20)
+    assert _take(TaskSource(_cfg(order_seed=7)), 20) == _take(TaskSource(_cfg()), 20)  # = seed
+    with pytest.raises(ValueError, match="order seed"):
+        TaskSource(_cfg()).load_state(TaskSource(_cfg(order_seed=3)).state())
+
+
 def test_state_resume_is_exact() -> None:
     source = TaskSource(_cfg())
     _take(source, 27)  # into the second epoch
