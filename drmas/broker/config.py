@@ -37,5 +37,10 @@ class BrokerConfig:
     """How often clients send a Heartbeat."""
     heartbeat_timeout_s: float = 15.0
     """A client silent this long is dead: its leases are re-issued."""
+    learner_timeout_s: float = 600.0
+    """A learner rank silent this long is dropped (it heartbeats between micro-batches;
+    a weight-group rendezvous can block it for weights.timeout_s)."""
+    max_actors: int = 1024
+    """Actors registered at once; a Hello beyond it is refused."""
     max_message_bytes: int = 256 * 1024 * 1024
     """Frames larger than this are dropped by ZeroMQ before decoding."""

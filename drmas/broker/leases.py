@@ -1,4 +1,4 @@
-"""Who holds which task: the actor registry and the lease table (pure logic).
+"""Who holds which task: the actor (and learner) registry and the lease table (pure logic).
 
 A lease is one group of one task owned by one actor. It ends in exactly one of:
 returned (accepted), handed back (Goodbye), expired (lease timeout), or revoked (its
@@ -25,6 +25,14 @@ class ActorRecord:
     leases: set[int] = field(default_factory=set)
     groups_done: int = 0
     episodes_done: int = 0
+
+
+@dataclass
+class LearnerRecord:
+    model: str
+    rank: int
+    world_size: int
+    last_seen: float
 
 
 @dataclass

@@ -14,12 +14,14 @@ import json
 import logging
 import signal
 import time
+import traceback
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import zmq
 
+from drmas.broker.gate import Gate, clip
 from drmas.broker.heap import tune_gc
 from drmas.broker.metrics import JsonlSink, NullSink, StepMetrics
 from drmas.broker.state import BrokerState
@@ -83,6 +85,8 @@ class BrokerServer:
             cfg, TaskSource(cfg.task), StepMetrics(sink, sorted(cfg.models)), uuid.uuid4().hex[:12]
         )
         self.checkpoints.restore(self.state)
+        self.gate = Gate(self.state)
+        self._internal_logged: set[tuple[str, str]] = set()
         self.limits = Limits(
             agent_models=dict(self.state.agent_models),
             vocab_sizes=vocab_sizes(cfg),
@@ -174,7 +178,8 @@ class BrokerServer:
 
     def refuse(self, identity: bytes, code: str, reason: str, refused: str = "") -> None:
         self.state.counters[f"refused/{code}"] += 1
-        log.warning("refused message from %r: %s: %s", identity[:64], code, reason)
+        reason = clip(reason, 500)  # neither a log line nor a reply grows with the input
+        log.warning("refused %s from %r: %s: %s", refused or "frame", identity[:64], code, reason)
         # the sender may be gone or unreachable: then there is nothing to answer
         with contextlib.suppress(zmq.Again, zmq.ZMQError):
             reply = encode(ErrorReply(code, reason, refused))
@@ -198,6 +203,14 @@ class BrokerServer:
             self.refuse(identity, exc.code, exc.reason, tag)
         except UnicodeDecodeError:
             self.refuse(identity, "bad_frame", "client identity is not UTF-8")
+        except Exception as exc:  # last resort: a bug or an unforeseen input must not kill the run
+            key = (tag, type(exc).__name__)
+            if key not in self._internal_logged:  # once per message type and error type
+                self._internal_logged.add(key)
+                log.error(
+                    "internal error on %s:\n%s", tag or "frame", clip(traceback.format_exc(), 4000)
+                )
+            self.refuse(identity, "internal", f"{type(exc).__name__} while handling it", tag)
 
     def dispatch(self, cid: str, msg: ToBroker) -> None:
         now = time.monotonic()
@@ -208,13 +221,8 @@ class BrokerServer:
         if isinstance(msg, StatusRequest):
             self.send(cid, st.status(now))
             return
-        sender = getattr(msg, "client_id", cid)
-        if sender != cid:
-            raise ProtocolError("invalid", f"message says client {sender!r} but comes from {cid!r}")
-        if not st.seen(cid, now):
-            raise ProtocolError(
-                "unknown_client", f"{cid!r} has not said Hello (or was dropped); reconnect"
-            )
+        self.gate.admit(cid, msg)  # sender, role, model, rank, versions, sizes; raises if not
+        st.seen(cid, now)
         match msg:
             case Heartbeat():
                 st.seen(cid, now, msg.versions)
@@ -235,16 +243,24 @@ class BrokerServer:
                 self.send(cid, plan)
             case PublishDone():
                 if not msg.ok:
-                    log.warning("publish of %s v%d failed: %s", msg.model, msg.version, msg.error)
+                    log.warning(
+                        "publish of %s v%d failed: %s", msg.model, msg.version, clip(msg.error)
+                    )
                 st.publish_done(msg.model, msg.version, msg.seconds, msg.ok, msg.digest)
             case WeightsLoaded():
                 if not msg.ok:
                     log.warning(
-                        "%s failed to load %s v%d: %s", cid, msg.model, msg.version, msg.error
+                        "%s failed to load %s v%d: %s", cid, msg.model, msg.version, clip(msg.error)
                     )
                 st.weights_loaded(cid, msg.model, msg.version, msg.ok, msg.digest)
             case LeaseReturn():
-                log.warning("%s returns leases %s: %s", cid, msg.lease_ids, msg.reason)
+                log.warning(
+                    "%s returns %d leases %s: %s",
+                    cid,
+                    len(msg.lease_ids),
+                    clip(msg.lease_ids[:20]),
+                    clip(msg.reason),
+                )
                 st.hand_back(cid, msg.lease_ids)
             case Goodbye():
                 if cid in st.learners:
@@ -264,14 +280,13 @@ class BrokerServer:
         if msg.client_id != cid:
             raise ProtocolError("invalid", f"Hello says {msg.client_id!r} but comes from {cid!r}")
         validate.check_hello(msg, self.limits)
+        self.gate.check_hello(cid, msg)
         if msg.role == "actor":
             why = st.add_actor(cid, msg.host, msg.pid, msg.models, now)
             if why:
                 raise ProtocolError("invalid", why)
         elif msg.role == "learner":
-            if len(msg.models) != 1:
-                raise ProtocolError("invalid", "a learner trains exactly one model")
-            st.add_learner(cid, msg.models[0], msg.rank, now)
+            st.add_learner(cid, msg.models[0], msg.rank, msg.world_size, now)
         self.send(
             cid,
             Welcome(

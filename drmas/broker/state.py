@@ -18,9 +18,10 @@ import time
 
 from drmas.broker.buffers import ModelBuffer, split_group
 from drmas.broker.evaluation import EvalRound
-from drmas.broker.leases import ActorRecord, LeaseTable
+from drmas.broker.leases import ActorRecord, LearnerRecord, LeaseTable
 from drmas.broker.metrics import NullSink, StepMetrics
 from drmas.launch.config import DrmasConfig
+from drmas.protocol import ProtocolError
 from drmas.protocol.messages import (
     ActorStatus,
     BatchShard,
@@ -63,7 +64,7 @@ class BrokerState:
             for m in self.models
         }
         self.versions = dict.fromkeys(self.models, 0)
-        self.learners: dict[str, tuple[str, int, float]] = {}  # id -> (model, rank, last_seen)
+        self.learners: dict[str, LearnerRecord] = {}  # client id -> its model, rank, last seen
         self.finished_learners: set[str] = set()
         self.metrics = metrics or StepMetrics(NullSink(), self.models)
         self.counters: collections.Counter[str] = collections.Counter()
@@ -106,8 +107,16 @@ class BrokerState:
         self.attach_versions[client_id] = {m: v for m, v in self.versions.items() if v > 0}
         return ""
 
-    def add_learner(self, client_id: str, model: str, rank: int, now: float) -> None:
-        self.learners[client_id] = (model, rank, now)
+    def add_learner(
+        self, client_id: str, model: str, rank: int, world_size: int, now: float
+    ) -> None:
+        """Register a learner rank. One id per (model, rank): a rank that restarts under a
+        new id replaces the old registration, so registrations stay bounded."""
+        for cid, old in list(self.learners.items()):
+            if cid != client_id and (old.model, old.rank) == (model, rank):
+                del self.learners[cid]
+                self.counters["learners_replaced"] += 1
+        self.learners[client_id] = LearnerRecord(model, rank, world_size, now)
 
     def seen(self, client_id: str, now: float, versions: dict[str, int] | None = None) -> bool:
         actor = self.table.actors.get(client_id)
@@ -116,9 +125,9 @@ class BrokerState:
             if versions:
                 actor.versions.update({m: v for m, v in versions.items() if m in self.versions})
             return True
-        if client_id in self.learners:
-            model, rank, _ = self.learners[client_id]
-            self.learners[client_id] = (model, rank, now)
+        learner = self.learners.get(client_id)
+        if learner is not None:
+            learner.last_seen = now
             return True
         return False
 
@@ -146,13 +155,24 @@ class BrokerState:
             record = self.table.close(lease_id)
             self._requeue(record.task, record.eval_round)
             self.counters["leases_expired"] += 1
-        # Learners are never dropped for silence: a rank can be blocked for up to
-        # weights.timeout_s in a weight-group rendezvous. See active_learners().
+        # Learners send heartbeats between micro-batches and can be blocked for up to
+        # weights.timeout_s in a weight-group rendezvous: they are dropped only after the
+        # much longer broker.learner_timeout_s (see also active_learners()).
+        for cid in [
+            c
+            for c, r in self.learners.items()
+            if now - r.last_seen > self.cfg.broker.learner_timeout_s
+        ]:
+            del self.learners[cid]
+            self.counters["learners_lost"] += 1
+            log.warning(
+                "learner %s silent for %.0f s: dropped", cid, self.cfg.broker.learner_timeout_s
+            )
 
     def active_learners(self, now: float) -> int:
         """Learner ranks heard from recently enough to still be working (or saying goodbye)."""
         grace = self.cfg.broker.heartbeat_timeout_s + self.cfg.weights.timeout_s
-        return sum(now - seen <= grace for _, _, seen in self.learners.values())
+        return sum(now - r.last_seen <= grace for r in self.learners.values())
 
     def _requeue(self, task: Task, eval_round: int | None) -> None:
         if eval_round is None:
@@ -314,9 +334,11 @@ class BrokerState:
                 reason=f"{len(buf.slices)}/{buf.batch_groups} groups buffered",
                 republish=stale,
             )
-        if len(batch.shards) != world_size:
-            raise ValueError(
-                f"learner of {model} asks with world size {world_size}, batch was cut for {len(batch.shards)}"
+        if len(batch.shards) != world_size:  # the group changed size after the cut
+            raise ProtocolError(
+                "invalid",
+                f"learner of {model} asks with world size {world_size}, batch was cut for "
+                f"{len(batch.shards)}",
             )
         if rank == 0 and not batch.stats.get("_sent"):
             batch.stats["_sent"] = 1.0
@@ -401,9 +423,10 @@ class BrokerState:
         if actor is not None and ok:
             actor.versions[model] = max(actor.versions.get(model, 0), version)
         self.counters["weight_loads" if ok else "weight_loads_failed"] += 1
-        if ok and digest:
+        if ok and digest and version >= self._oldest_compared(model):
             self.loaded_digest.setdefault((model, version), {})[client_id] = digest
             self._compare_digests(model, version)
+        self._prune_digests(model)
 
     def _compare_digests(self, model: str, version: int) -> None:
         """Actors must hold bit for bit what the learner sent (counted, logged)."""
@@ -423,9 +446,18 @@ class BrokerState:
                     got,
                     sent,
                 )
-        # keep only recent versions (late loads of old versions are not compared)
-        for key in [k for k in self.sent_digest if k[0] == model and k[1] < version - 2]:
-            del self.sent_digest[key]
+        self._prune_digests(model)
+
+    def _oldest_compared(self, model: str) -> int:
+        """Digests of versions older than this are not compared (late loads are counted as
+        loads only): with the actors' count, this bounds both digest maps."""
+        return max(self.planned.get(model, 0), self.versions.get(model, 0)) - 2
+
+    def _prune_digests(self, model: str) -> None:
+        oldest = self._oldest_compared(model)
+        for table in (self.sent_digest, self.loaded_digest):
+            for key in [k for k in table if k[0] == model and k[1] < oldest]:
+                del table[key]
 
     # ------------------------------------------------------------ validation
     def _schedule_eval(self) -> None:
@@ -499,7 +531,7 @@ class BrokerState:
                 version=self.versions[m],
                 buffered_groups=len(self.buffers[m].slices),
                 batches_cut=self.buffers[m].batches_cut,
-                learner_ranks=sum(1 for mm, _, _ in self.learners.values() if mm == m),
+                learner_ranks=sum(1 for r in self.learners.values() if r.model == m),
             )
             for m in self.models
         }

@@ -1,7 +1,9 @@
 """MessagePack framing: one typed decoder per direction.
 
 The broker decodes `ToBroker`, every client decodes `FromBroker`; a frame that is not
-valid MessagePack or not one of those records raises `ProtocolError`.
+valid MessagePack or not one of those records raises `ProtocolError`, and so does one
+msgspec cannot walk at all (nesting deep enough to exhaust the recursion limit: a 1 KB
+frame can do that, even inside an unknown field before the `type` key).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def decode_to_broker(frame: bytes | memoryview) -> ToBroker:
         return _to_broker.decode(frame)
     except msgspec.DecodeError as exc:
         raise ProtocolError("bad_frame", f"not a drmas message: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("bad_frame", "not a drmas message: nested too deeply") from None
 
 
 def decode_from_broker(frame: bytes | memoryview) -> FromBroker:
@@ -41,3 +45,5 @@ def decode_from_broker(frame: bytes | memoryview) -> FromBroker:
         return _from_broker.decode(frame)
     except msgspec.DecodeError as exc:
         raise ProtocolError("bad_frame", f"not a drmas message: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("bad_frame", "not a drmas message: nested too deeply") from None

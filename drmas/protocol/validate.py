@@ -50,6 +50,8 @@ def _fail(reason: str) -> NoReturn:
 def check_hello(msg: Hello, limits: Limits) -> None:
     if not msg.client_id or len(msg.client_id) > limits.max_id_chars:
         _fail(f"client_id must be 1..{limits.max_id_chars} characters")
+    if len(msg.models) > len(limits.vocab_sizes):
+        _fail(f"{len(msg.models)} models named; this run trains {sorted(limits.vocab_sizes)}")
     unknown = sorted(set(msg.models) - set(limits.vocab_sizes))
     if unknown:
         _fail(f"unknown model(s) {unknown}; this run trains {sorted(limits.vocab_sizes)}")

@@ -1,0 +1,284 @@
+"""Who may send what: the one place every message is checked before it touches state.
+
+Called by the broker loop (drmas/broker/server.py) for every decoded message, before
+BrokerState sees it. Reads BrokerState, never changes it; a message that fails raises
+ProtocolError, which the loop answers with an ErrorReply and counts under
+`refused/<code>`:
+- `unknown_client`: the sender never said Hello (or was dropped): it should reconnect;
+- `forbidden`: the sender's role (bound at its Hello) may not send this message type, or
+  not for this model or rank;
+- `invalid`: a field is out of range (model name, rank, world size, version, list length).
+
+Roles, bound at Hello and fixed for the connection's client id:
+
+    actor                    Heartbeat, LeaseRequest, GroupResult, WeightsLoaded,
+                             LeaseReturn, Goodbye                      (models it serves)
+    learner rank r of m      Heartbeat, BatchRequest(m, r), Goodbye; rank 0 also
+                             StepReport(m), PublishRequest(m), PublishDone(m)
+    observer (`client`)      StatusRequest only (also allowed before any Hello)
+
+Versions: a learner reports the next version (current + 1, never beyond train.steps);
+it publishes the version it has trained; an actor can hold at most what was published,
+and a step it generated carries at most that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NoReturn
+
+from drmas.protocol import ProtocolError
+from drmas.protocol.messages import (
+    BatchRequest,
+    Goodbye,
+    GroupResult,
+    Heartbeat,
+    Hello,
+    LeaseRequest,
+    LeaseReturn,
+    PublishDone,
+    PublishRequest,
+    StatusRequest,
+    StepReport,
+    ToBroker,
+    WeightsLoaded,
+)
+
+if TYPE_CHECKING:
+    from drmas.broker.state import BrokerState
+
+MAX_LEASE_IDS = 4096
+"""Lease ids one LeaseReturn or Goodbye may name."""
+MAX_METRICS = 1024
+"""Metrics one StepReport may carry."""
+MAX_TEXT = 4096
+"""Characters of a free-text field (an error, a reason, a digest, an address)."""
+MAX_LEARNER_RANKS = 4096
+"""World size a learner group may declare."""
+
+ALLOWED: dict[type, frozenset[str]] = {
+    Heartbeat: frozenset(("actor", "learner")),
+    Goodbye: frozenset(("actor", "learner")),
+    LeaseRequest: frozenset(("actor",)),
+    GroupResult: frozenset(("actor",)),
+    WeightsLoaded: frozenset(("actor",)),
+    LeaseReturn: frozenset(("actor",)),
+    BatchRequest: frozenset(("learner",)),
+    StepReport: frozenset(("learner",)),
+    PublishRequest: frozenset(("learner",)),
+    PublishDone: frozenset(("learner",)),
+}
+"""Message type -> roles that may send it (Hello and StatusRequest: anyone)."""
+
+RANK0_ONLY = (StepReport, PublishRequest, PublishDone)
+
+
+@dataclass(frozen=True)
+class Sender:
+    """A registered client as the gate sees it."""
+
+    role: str  # "actor" | "learner"
+    models: tuple[str, ...]  # actor: models it serves; learner: (its model,)
+    rank: int = 0
+    world_size: int = 1
+
+
+def clip(text: object, limit: int = 200) -> str:
+    """`text` for a log line or a reply: at most `limit` characters, saying what was cut."""
+    s = str(text)
+    return s if len(s) <= limit else f"{s[:limit]}... ({len(s) - limit} more characters)"
+
+
+def _invalid(reason: str) -> NoReturn:
+    raise ProtocolError("invalid", reason)
+
+
+def _forbidden(reason: str) -> NoReturn:
+    raise ProtocolError("forbidden", reason)
+
+
+class Gate:
+    """Checks senders and fields against the broker's state (read-only)."""
+
+    def __init__(self, state: BrokerState) -> None:
+        self.state = state
+
+    # ------------------------------------------------------------------ Hello
+    def check_hello(self, cid: str, msg: Hello) -> None:
+        """Field and role checks of a Hello beyond protocol/validate.check_hello."""
+        st = self.state
+        if len(msg.host) > 256:
+            _invalid(f"host name of {len(msg.host)} characters, at most 256")
+        current = self.sender(cid)
+        if current is not None and current.role != msg.role:
+            _forbidden(
+                f"{cid!r} is registered as {current.role}; a client id keeps its role "
+                f"(use another id for a {msg.role})"
+            )
+        if msg.role == "client" and msg.models:
+            _invalid("an observer (role client) serves no models")
+        if msg.role == "learner":
+            if len(msg.models) != 1:
+                _invalid("a learner trains exactly one model")
+            if not (1 <= msg.world_size <= MAX_LEARNER_RANKS):
+                _invalid(f"learner world size {msg.world_size} outside 1..{MAX_LEARNER_RANKS}")
+            model = msg.models[0]
+            sizes = {r.world_size for c, r in st.learners.items() if r.model == model and c != cid}
+            if sizes and sizes != {msg.world_size}:
+                _invalid(
+                    f"{model} rank {msg.rank} says world size {msg.world_size}, its other ranks "
+                    f"said {sorted(sizes)}: every rank of a learner group must agree"
+                )
+        if (
+            msg.role == "actor"
+            and current is None
+            and len(st.table.actors) >= st.cfg.broker.max_actors
+        ):
+            _invalid(
+                f"broker.max_actors={st.cfg.broker.max_actors} actors are registered; "
+                "raise it in the broker's config to attach more"
+            )
+
+    # ------------------------------------------------------------- messages
+    def sender(self, cid: str) -> Sender | None:
+        st = self.state
+        actor = st.table.actors.get(cid)
+        if actor is not None:
+            return Sender("actor", tuple(actor.models))
+        learner = st.learners.get(cid)
+        if learner is not None:
+            return Sender("learner", (learner.model,), learner.rank, learner.world_size)
+        return None
+
+    def admit(self, cid: str, msg: ToBroker) -> Sender:
+        """The registered sender of `msg` if it may send it with these fields; else raises."""
+        if isinstance(msg, (Hello, StatusRequest)):
+            raise TypeError("Hello and StatusRequest need no sender")
+        claimed = getattr(msg, "client_id", cid)
+        if claimed != cid:
+            _invalid(f"message says client {clip(claimed, 64)!r} but comes from {cid!r}")
+        who = self.sender(cid)
+        if who is None:
+            raise ProtocolError(
+                "unknown_client", f"{cid!r} has not said Hello (or was dropped); reconnect"
+            )
+        kind = type(msg)
+        if who.role not in ALLOWED[kind]:
+            _forbidden(f"a {who.role} may not send {kind.__name__}")
+        check = getattr(self, f"_{kind.__name__}", None)
+        if check is not None:
+            check(who, msg)
+        return who
+
+    # one method per message type with fields to check (looked up by name in admit)
+    def _Heartbeat(self, who: Sender, msg: Heartbeat) -> None:
+        self._held_versions(who, msg.versions)
+
+    def _LeaseRequest(self, who: Sender, msg: LeaseRequest) -> None:
+        self._held_versions(who, msg.versions)
+
+    def _LeaseReturn(self, who: Sender, msg: LeaseReturn) -> None:
+        self._lease_ids(msg.lease_ids)
+
+    def _Goodbye(self, who: Sender, msg: Goodbye) -> None:
+        self._lease_ids(msg.lease_ids)
+
+    def _GroupResult(self, who: Sender, msg: GroupResult) -> None:
+        versions = self.state.versions
+        for episode in msg.episodes:
+            for h in episode.steps:
+                if h.model in versions and h.version > versions[h.model]:
+                    _invalid(
+                        f"a step of {h.model!r} says it was generated by v{h.version}; "
+                        f"the newest published is v{versions[h.model]}"
+                    )
+
+    def _WeightsLoaded(self, who: Sender, msg: WeightsLoaded) -> None:
+        self._served_model(who, msg.model)
+        planned = self.state.planned.get(msg.model, 0)
+        if not (0 <= msg.version <= planned):
+            _invalid(f"loaded {msg.model} v{msg.version}, but v{planned} is the newest sent")
+        self._text(msg.error, "error")
+        self._text(msg.digest, "digest")
+
+    def _BatchRequest(self, who: Sender, msg: BatchRequest) -> None:
+        self._own_rank(who, msg.model, msg.rank, msg.world_size)
+        current = self.state.versions[msg.model]
+        if not (max(0, current - 1) <= msg.version <= min(current + 1, self._steps)):
+            _invalid(
+                f"batch for {msg.model} v{msg.version}; the learner is at v{current} "
+                f"(train.steps={self._steps})"
+            )
+
+    def _StepReport(self, who: Sender, msg: StepReport) -> None:
+        self._own_rank(who, msg.model, 0, who.world_size)
+        current = self.state.versions[msg.model]
+        if msg.version != current + 1 or msg.version > self._steps:
+            _invalid(
+                f"step report of {msg.model} v{msg.version}; the next version is v{current + 1} "
+                f"(train.steps={self._steps})"
+            )
+        if len(msg.metrics) > MAX_METRICS:
+            _invalid(f"{len(msg.metrics)} metrics in one step report, at most {MAX_METRICS}")
+        if any(len(k) > 128 for k in msg.metrics):
+            _invalid("metric names are at most 128 characters")
+
+    def _PublishRequest(self, who: Sender, msg: PublishRequest) -> None:
+        self._own_rank(who, msg.model, 0, who.world_size)
+        current = self.state.versions[msg.model]
+        if msg.version != current:
+            _invalid(f"publish of {msg.model} v{msg.version}; it has trained v{current}")
+        self._text(msg.store_address, "store_address", 256)
+
+    def _PublishDone(self, who: Sender, msg: PublishDone) -> None:
+        self._own_rank(who, msg.model, 0, who.world_size)
+        planned = self.state.planned.get(msg.model)
+        if msg.version != planned:
+            _invalid(f"publish done for {msg.model} v{msg.version}; the plan was for v{planned}")
+        self._text(msg.error, "error")
+        self._text(msg.digest, "digest")
+
+    # ---------------------------------------------------------------- fields
+    @property
+    def _steps(self) -> int:
+        return self.state.cfg.train.steps
+
+    def _served_model(self, who: Sender, model: str) -> None:
+        if model not in who.models:
+            _forbidden(
+                f"model {clip(model, 64)!r} is not one this {who.role} serves {list(who.models)}"
+            )
+
+    def _own_rank(self, who: Sender, model: str, rank: int, world_size: int) -> None:
+        if model not in who.models:
+            _forbidden(f"{clip(model, 64)!r} is not this learner's model {who.models[0]!r}")
+        if (rank, world_size) != (who.rank, who.world_size):
+            _forbidden(
+                f"rank {rank}/{world_size} of {model}; this learner said Hello as rank "
+                f"{who.rank}/{who.world_size}"
+                + (" (only rank 0 reports steps and publishes)" if rank == 0 else "")
+            )
+
+    def _held_versions(self, who: Sender, versions: dict[str, int]) -> None:
+        published = self.state.versions
+        if len(versions) > len(published):
+            _invalid(f"{len(versions)} model versions; this run has {len(published)} models")
+        for model, version in versions.items():
+            self._served_model(who, model)
+            # a learner rank is at most one step ahead of what the broker has heard
+            top = published[model] + (1 if who.role == "learner" else 0)
+            if not (0 <= version <= top):
+                _invalid(
+                    f"claims to hold {model} v{version}; v{published[model]} is the newest "
+                    "published"
+                )
+
+    @staticmethod
+    def _lease_ids(ids: list[int]) -> None:
+        if len(ids) > MAX_LEASE_IDS:
+            _invalid(f"{len(ids)} lease ids in one message, at most {MAX_LEASE_IDS}")
+
+    @staticmethod
+    def _text(value: str, name: str, limit: int = MAX_TEXT) -> None:
+        if len(value) > limit:
+            _invalid(f"{name} of {len(value)} characters, at most {limit}")

@@ -1,0 +1,284 @@
+"""Hostile and broken clients against a real broker loop on loopback: every case is
+refused, counted and answered, and the broker goes on. Each case here crashed the broker
+or changed its state before the gate (drmas/broker/gate.py) existed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from drmas.broker.server import BrokerServer
+from drmas.launch.config import load_config
+from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode
+from drmas.protocol.codec import ProtocolError, decode_to_broker
+from drmas.protocol.messages import (
+    BatchRequest,
+    ErrorReply,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    JoinWeightGroup,
+    LeaseRequest,
+    LeaseReturn,
+    NoBatch,
+    PublishDone,
+    PublishRequest,
+    StatusReply,
+    StatusRequest,
+    StepReport,
+    WeightGroupPlan,
+    WeightsLoaded,
+    Welcome,
+)
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    cfg = load_config(
+        [f"models.solver.path={folder}", f"models.verifier.path={folder}", "val.every=0",
+         "train.steps=3", "group_size=2", "batch_groups=2", "broker.max_actors=8"]
+    )  # fmt: skip
+    srv = BrokerServer(cfg, None)
+    yield srv
+    srv.sock.close(linger=0)
+    srv.ctx.term()
+
+
+class Peer:
+    """A DEALER client with its own identity; `ask` pumps the broker until a reply comes."""
+
+    def __init__(self, server: BrokerServer, cid: str) -> None:
+        self.server, self.cid = server, cid
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, cid.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(server.address)
+
+    def send(self, msg: Any) -> None:
+        self.sock.send(msg if isinstance(msg, bytes) else encode(msg))
+
+    def ask(self, msg: Any, timeout: float = 5.0) -> Any:
+        self.send(msg)
+        return self.next(timeout)
+
+    def next(self, timeout: float = 5.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.server.sock.poll(20):
+                self.server.drain()
+            if self.sock.poll(0):
+                return decode_from_broker(self.sock.recv())
+        return None
+
+    def hello(self, role: str, models: list[str], **kw: Any) -> Any:
+        return self.ask(Hello(role=role, client_id=self.cid, protocol_version=PROTOCOL_VERSION,
+                              models=models, **kw))  # type: ignore[arg-type]  # fmt: skip
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def refused(reply: Any, code: str) -> bool:
+    return isinstance(reply, ErrorReply) and reply.code == code
+
+
+def deep_frame(depth: int = 1000) -> bytes:
+    """~1 KB: an unknown key holding an array nested `depth` levels, before `type`."""
+    return (b"\x82" + msgpack.packb("x") + b"\x91" * depth + b"\xc0"
+            + msgpack.packb("type") + msgpack.packb("status_request"))  # fmt: skip
+
+
+# ------------------------------------------------------------------ crashes
+def test_a_deeply_nested_frame_is_refused_by_both_decoders(server: BrokerServer) -> None:
+    frame = deep_frame()
+    assert len(frame) < 1100
+    for decode in (decode_to_broker, decode_from_broker):
+        with pytest.raises(ProtocolError, match="nested too deeply"):
+            decode(frame)
+    peer = Peer(server, "x")
+    assert refused(peer.ask(frame), "bad_frame")
+    assert server.state.counters["refused/bad_frame"] == 1
+    assert isinstance(peer.ask(StatusRequest()), StatusReply)  # still serving
+
+
+def test_learner_messages_for_unknown_models_or_ranks_are_refused(server: BrokerServer) -> None:
+    learner = Peer(server, "L")
+    assert isinstance(learner.hello("learner", ["solver"], rank=0, world_size=1), Welcome)
+    cases = [
+        (BatchRequest("L", "nope", 0, 1, 0), "forbidden"),  # unknown model: KeyError before
+        (BatchRequest("L", "verifier", 0, 1, 0), "forbidden"),  # another model's
+        (BatchRequest("L", "solver", 0, 2, 0), "forbidden"),  # world size it did not say
+        (BatchRequest("L", "solver", 5, 1, 0), "forbidden"),  # rank out of range
+        (BatchRequest("L", "solver", 0, 0, 0), "forbidden"),  # world size 0
+        (BatchRequest("L", "solver", 0, 1, 7), "invalid"),  # beyond train.steps
+        (LeaseRequest("L", 1, {}), "forbidden"),  # a learner is not an actor: KeyError before
+    ]
+    for msg, code in cases:
+        assert refused(learner.ask(msg), code), msg
+    learner.send(StepReport("nope", 1, {}))  # fire-and-forget: the error reply still comes
+    assert refused(learner.next(), "forbidden")
+    assert isinstance(learner.ask(BatchRequest("L", "solver", 0, 1, 0)), NoBatch)  # alive
+    assert sum(v for k, v in server.state.counters.items() if k.startswith("refused/")) == 8
+
+
+def test_a_batch_cut_for_another_world_size_is_refused_not_fatal(server: BrokerServer) -> None:
+    from tests.unit.test_broker_state import result
+
+    st = server.state
+    actor = Peer(server, "a")
+    assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
+    for lease in st.lease("a", 2, {}, time.monotonic()).leases:
+        assert st.accept("a", result(lease), time.monotonic()) == ""
+    assert st.batch("solver", 0, 2, 0).rank == 0  # cut for two ranks
+    learner = Peer(server, "L")  # a restarted group of one rank asks for it
+    assert isinstance(learner.hello("learner", ["solver"]), Welcome)
+    assert refused(learner.ask(BatchRequest("L", "solver", 0, 1, 0)), "invalid")
+
+
+# ------------------------------------------------------------ roles
+def test_an_actor_cannot_plan_a_publish_or_report_steps(server: BrokerServer) -> None:
+    victim, forger = Peer(server, "victim"), Peer(server, "forger")
+    for peer in (victim, forger):
+        assert isinstance(peer.hello("actor", ["solver", "verifier"]), Welcome)
+    st = server.state
+    assert refused(forger.ask(PublishRequest("solver", 0, "127.0.0.1:1")), "forbidden")
+    assert victim.next(0.3) is None  # no JoinWeightGroup pointing at the forger's store
+    forger.send(PublishDone("solver", 0, 0.1, 10, digest="d"))
+    forger.send(StepReport("solver", 2_000_000, {}))
+    forger.send(BatchRequest("forger", "solver", 0, 1, 0))
+    for _ in range(3):
+        assert refused(forger.next(), "forbidden")
+    assert st.versions == {"solver": 0, "verifier": 0} and not st.eval_queue
+    assert st.counters["weight_publishes"] == 0
+
+
+def test_versions_beyond_what_was_published_are_refused(server: BrokerServer) -> None:
+    actor, learner = Peer(server, "a"), Peer(server, "L")
+    assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
+    assert isinstance(learner.hello("learner", ["solver"]), Welcome)
+    st = server.state
+    actor.send(Heartbeat("a", {"solver": 1_000_000}))
+    assert refused(actor.next(), "invalid")
+    assert st.table.actors["a"].versions == {}  # not stored: staleness admission holds
+    assert refused(actor.ask(LeaseRequest("a", 1, {"solver": 5})), "invalid")
+    actor.send(WeightsLoaded("a", "solver", 9, 0.1, digest="x"))  # nothing was planned
+    assert refused(actor.next(), "invalid")
+    learner.send(StepReport("solver", 2_000_000, {}))
+    assert refused(learner.next(), "invalid")
+    learner.send(StepReport("solver", 0, {}))  # not the next version either
+    assert refused(learner.next(), "invalid")
+    assert st.versions["solver"] == 0 and not st.metrics.pending
+    learner.send(StepReport("solver", 1, {}))  # the next version: accepted, no reply
+    assert learner.next(0.3) is None and st.versions["solver"] == 1
+
+
+def test_observers_only_read_status(server: BrokerServer) -> None:
+    ops = Peer(server, "ops")
+    assert isinstance(ops.hello("client", []), Welcome)
+    assert isinstance(ops.ask(StatusRequest()), StatusReply)
+    assert refused(ops.ask(LeaseRequest("ops", 1, {})), "unknown_client")
+    assert refused(ops.hello("client", ["solver"]), "invalid")
+    actor = Peer(server, "a")
+    assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
+    assert refused(actor.hello("learner", ["solver"]), "forbidden")  # an id keeps its role
+
+
+# ----------------------------------------------------------------- bounds
+def test_learner_registrations_stay_one_per_rank(server: BrokerServer) -> None:
+    for i in range(300):
+        peer = Peer(server, f"L{i}")  # a rank restarting under new ids
+        assert isinstance(peer.hello("learner", ["solver"], rank=0, world_size=2), Welcome)
+        peer.close()
+    assert len(server.state.learners) == 1
+    assert server.state.counters["learners_replaced"] == 299
+    odd = Peer(server, "odd")
+    assert refused(odd.hello("learner", ["solver"], rank=1, world_size=3), "invalid")
+    assert refused(odd.hello("learner", ["solver"], rank=0, world_size=10**6), "invalid")
+
+
+def test_silent_learners_are_reaped(server: BrokerServer) -> None:
+    peer = Peer(server, "L")
+    assert isinstance(peer.hello("learner", ["solver"]), Welcome)
+    server.state.reap(time.monotonic() + server.cfg.broker.learner_timeout_s + 1)
+    assert not server.state.learners and server.state.counters["learners_lost"] == 1
+    assert refused(peer.ask(BatchRequest("L", "solver", 0, 1, 0)), "unknown_client")
+
+
+def test_actor_count_is_capped(server: BrokerServer) -> None:
+    for i in range(8):
+        assert isinstance(Peer(server, f"a{i}").hello("actor", ["solver", "verifier"]), Welcome)
+    assert refused(Peer(server, "a8").hello("actor", ["solver", "verifier"]), "invalid")
+    again = Peer(server, "a3")  # a registered actor re-registering is not a new one
+    assert isinstance(again.hello("actor", ["solver", "verifier"]), Welcome)
+
+
+def test_weight_digests_are_kept_for_live_versions_only(server: BrokerServer) -> None:
+    st = server.state
+    actor = Peer(server, "a")
+    assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
+    for v in range(1, 40):
+        st.versions["solver"] = v
+        st.publish_plan("solver", v, "127.0.0.1:1")
+        st.weights_loaded("a", "solver", v, True, f"d{v}")
+        for old in range(max(0, v - 10), v):  # late loads of old versions
+            st.weights_loaded("a", "solver", old, True, "late")
+    assert len(st.loaded_digest) <= 3 and len(st.sent_digest) <= 3
+
+
+def test_huge_lists_and_texts_are_refused_with_short_replies_and_logs(
+    server: BrokerServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    actor = Peer(server, "a")
+    assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
+    caplog.set_level(logging.WARNING, "drmas.broker")
+    actor.send(LeaseReturn("a", list(range(2_000_000)), reason="x" * 1_000_000))  # ~10 MB
+    reply = actor.next(20)
+    assert refused(reply, "invalid") and len(reply.reason) < 600
+    actor.send(Goodbye("a", list(range(100_000))))
+    assert refused(actor.next(), "invalid")
+    many = Peer(server, "m")
+    reply = many.hello("actor", [f"model{i}" for i in range(1_000_000)])
+    assert refused(reply, "invalid") and len(reply.reason) < 600
+    assert max(len(r.getMessage()) for r in caplog.records) < 1000
+    assert "a" in server.state.table.actors  # the refused Goodbye did not remove it
+
+
+def test_an_internal_error_is_refused_counted_and_logged_once(
+    server: BrokerServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    actor = Peer(server, "a")
+    assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
+
+    def broken(*_a: Any, **_k: Any) -> None:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(server.state, "lease", broken)
+    caplog.set_level(logging.ERROR, "drmas.broker")
+    for _ in range(3):
+        assert refused(actor.ask(LeaseRequest("a", 1, {})), "internal")
+    assert server.state.counters["refused/internal"] == 3
+    assert sum("Traceback" in r.getMessage() for r in caplog.records) == 1
+    assert isinstance(actor.ask(StatusRequest()), StatusReply)
+
+
+def test_a_weight_group_plan_names_only_registered_actors(server: BrokerServer) -> None:
+    learner, actor = Peer(server, "L"), Peer(server, "a")
+    assert isinstance(learner.hello("learner", ["solver"]), Welcome)
+    assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
+    plan = learner.ask(PublishRequest("solver", 0, "127.0.0.1:1"))
+    assert isinstance(plan, WeightGroupPlan) and plan.members == ["a"]
+    assert isinstance(actor.next(), JoinWeightGroup)
+    learner.send(PublishDone("solver", 0, 0.1, 10, digest="d"))
+    actor.send(WeightsLoaded("a", "solver", 0, 0.1, digest="d"))
+    assert actor.next(0.3) is None and learner.next(0.1) is None
+    assert server.state.counters["weight_digest_match"] == 1
