@@ -24,7 +24,7 @@ import socket
 import time
 import zlib
 
-from drmas.actors.engines import ReceivesWeights, make_engine
+from drmas.actors.engines import ReceivesWeights, RollsBack, make_engine
 from drmas.actors.engines.base import Engine
 from drmas.actors.workflows.base import TeamWorkflow
 from drmas.actors.workflows.math import MathWorkflow
@@ -93,6 +93,7 @@ class Actor:
         self.started_at: dict[int, float] = {}
         self.joins: list[tuple[JoinWeightGroup, float]] = []  # (join, when received)
         self.receiver = WeightReceiver()
+        self.quarantined: dict[str, int] = {}  # model -> version before a failed in-place load
         self.stopping = ""
         self.heartbeat_s = cfg.broker.heartbeat_interval_s
 
@@ -130,7 +131,7 @@ class Actor:
                 self.send_finished()
                 now = time.monotonic()
                 free = self.cfg.actor.max_groups - len(self.running)
-                if free > 0 and now - last_ask >= retry_after:
+                if free > 0 and now - last_ask >= retry_after and not self.quarantined:
                     retry_after = self.ask_for_leases(free)
                     last_ask = now
                 await asyncio.sleep(0.002 if self.running else 0.02)
@@ -239,6 +240,8 @@ class Actor:
             )
             want_digest = self.cfg.weights.verify_digest and same_dtype
             await engine.pause()
+            backup = engine.backup_weights() if isinstance(engine, RollsBack) else None
+            held = engine.version
             try:
                 if isinstance(engine, ReceivesWeights):  # its own workers join the group
                     digest = await engine.receive_weights(join, want_digest)
@@ -255,7 +258,11 @@ class Actor:
                         digest = engine.weights_digest()
             except Exception as exc:  # a failed sync must not kill the actor: it re-syncs later
                 ok, error = False, f"{type(exc).__name__}: {exc}"
+                error += self.after_failed_load(join.model, engine, backup, held)
                 log.error("weight sync %s failed: %s", join.group_name, error)
+            else:
+                if self.quarantined.pop(join.model, None) is not None:
+                    log.info("%s v%d loaded: leasing again", join.model, join.version)
             finally:
                 await engine.resume()
             seconds = time.monotonic() - start
@@ -263,6 +270,26 @@ class Actor:
                 WeightsLoaded(self.id, join.model, join.version, seconds, ok, error, digest)
             )
             self.receiver.release()  # group teardown after generation resumed
+
+    def after_failed_load(
+        self, model: str, engine: Engine, backup: object | None, held: int
+    ) -> str:
+        """Never generate with half-loaded weights: an engine that can roll back serves its
+        previous version again; one that cannot (its own workers loaded in place) is
+        quarantined: its groups are handed back and no lease is asked for until a publish
+        loads completely (the broker re-publishes to actors behind). Returns what was done,
+        for the log and the WeightsLoaded error. `held`: the version before the load."""
+        if backup is not None and isinstance(engine, RollsBack):
+            engine.restore_weights(backup)
+            return f"; previous weights v{engine.version} restored and serving"
+        engine.version = held  # what it reports: the broker sees it behind and re-publishes
+        self.quarantined[model] = held
+        for lease_id in list(self.running):
+            self.running.pop(lease_id).cancel()
+            self.leases.pop(lease_id, None)
+            self.started_at.pop(lease_id, None)
+            self.client.send(LeaseReturn(self.id, [lease_id], f"{model} weights half-loaded"))
+        return "; weights may be half-loaded: leases handed back, no new ones until a reload"
 
     async def heartbeats(self) -> None:
         """Its own task: beats go on while the main loop waits for a weight group."""

@@ -79,7 +79,8 @@ def load(trainer: Trainer, checkpoint: store.Checkpoint) -> str:
     set_state_dict(
         trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
     )
-    rng = torch.load(checkpoint.path / f"rng-rank{trainer.rank}.pt", weights_only=False)
+    # weights_only: a checkpoint folder on shared storage must not be able to run code
+    rng = torch.load(checkpoint.path / f"rng-rank{trainer.rank}.pt", weights_only=True)
     set_rng_state(rng, trainer.device)
     _, loaded = get_state_dict(trainer.model, trainer.optimizer)
     digest = optimizer_digest(loaded)
@@ -106,10 +107,24 @@ def optimizer_digest(optim_sd: dict[str, Any]) -> str:
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
+    """Every generator's state as tensors and plain numbers only, so that it loads with
+    torch.load(weights_only=True) (no pickle)."""
+    py_version, py_words, py_gauss = random.getstate()
+    np_kind, np_key, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {
+            "version": py_version,
+            "words": torch.tensor(py_words, dtype=torch.int64),
+            "gauss": py_gauss,
+        },
+        "numpy": {
+            "kind": np_kind,
+            "key": torch.from_numpy(np.asarray(np_key, dtype=np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "gauss": float(np_gauss),
+        },
     }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -118,7 +133,10 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["words"].tolist()), py["gauss"]))
+    n = state["numpy"]
+    key = n["key"].numpy().astype(np.uint32)
+    np.random.set_state((n["kind"], key, n["pos"], n["has_gauss"], n["gauss"]))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)

@@ -26,6 +26,13 @@ bucket travels alone, without a copy on the sender.
 
 Every wait (store connect, rendezvous, each broadcast) has the group's timeout; running
 out raises WeightSyncTimeout naming the group, the phase and the peers.
+
+Exposure: the store listens only on `weights.host` (rank 0 binds the socket itself and
+hands it to torch, which would otherwise listen on every interface); anyone who reaches it
+can read and write its keys, so weights.host should be an address only the actors reach.
+gloo's own pair sockets listen on the interface it picks from the host name (set
+GLOO_SOCKET_IFNAME to pin it); docs/security.md has the firewall recipe. A receiver takes
+at most MAX_HEADER_BYTES of header and MAX_BUCKET_BYTES per bucket from rank 0.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import collections
 import contextlib
 import datetime
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -49,6 +57,11 @@ from drmas.transports.config import WeightSyncConfig
 log = logging.getLogger("drmas.weights")
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+MAX_HEADER_BYTES = 64 * 2**20
+"""A header (name, shape, dtype of every tensor) longer than this is refused unread."""
+MAX_BUCKET_BYTES = 8 * 2**30
+"""A bucket size rank 0 may announce (weights.bucket_mb is far below it)."""
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -341,6 +354,46 @@ class PublishStats:
     buckets: int
 
 
+def decode_header(raw: bytes, group: str) -> Header:
+    """The header rank 0 sent, checked before anything is allocated from it."""
+    try:
+        header = msgspec.msgpack.decode(raw, type=Header)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise WeightSyncError(f"weight group {group!r}: bad header: {exc}") from None
+    if not (0 < header.bucket_bytes <= MAX_BUCKET_BYTES):
+        raise WeightSyncError(
+            f"weight group {group!r}: bucket of {header.bucket_bytes} bytes announced "
+            f"(at most {MAX_BUCKET_BYTES})"
+        )
+    for spec in header.tensors:
+        if (
+            spec.dtype not in _DTYPES
+            or any(d < 0 for d in spec.shape)
+            or spec.nbytes > MAX_BUCKET_BYTES
+        ):
+            raise WeightSyncError(
+                f"weight group {group!r}: tensor {spec.name[:100]!r} has dtype {spec.dtype[:20]!r} "
+                f"and shape {spec.shape[:8]}: a known dtype, sizes >= 0 and at most "
+                f"{MAX_BUCKET_BYTES} bytes expected"
+            )
+    return header
+
+
+def _listen(host: str) -> tuple[int, int]:
+    """A listening TCP socket on `host` only (free port): (port, fd handed to torch)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(512)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return port, sock.detach()
+
+
 def advertised_host(host: str, broker_address: str) -> str:
     """The address actors reach this learner's weight store at. "auto": the local address
     of the interface that routes to the broker (actors reach the broker, and on a cluster
@@ -375,12 +428,14 @@ class WeightSender:
         self.backend = resolve_backend(cfg, self.device)
         self.host = advertised_host(cfg.host, broker_address)
         # The store lives for the whole run; each publish namespaces it by group name.
+        port, fd = _listen(self.host)
         self.store = dist.TCPStore(
             self.host,
-            0,
+            port,
             is_master=True,
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            master_listen_fd=fd,  # torch owns (and closes) the socket from here
         )
         self._retired = _Retired()
         self._buffers = _Buffers(self.device)
@@ -574,11 +629,12 @@ class WeightReceiver:
     def _header(self, group: _Group) -> Header:
         length = torch.zeros(1, dtype=torch.int64, device=self.device)
         group.broadcast(length, "header length")
-        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        group.broadcast(payload, "header")
-        try:
-            return msgspec.msgpack.decode(payload.cpu().numpy().tobytes(), type=Header)
-        except msgspec.DecodeError as exc:
+        size = int(length.item())
+        if not (0 < size <= MAX_HEADER_BYTES):
             raise WeightSyncError(
-                f"weight group {group.where.group!r}: bad header: {exc}"
-            ) from None
+                f"weight group {group.where.group!r}: rank 0 announces a header of {size} "
+                f"bytes (at most {MAX_HEADER_BYTES}); not allocating it"
+            )
+        payload = torch.empty(size, dtype=torch.uint8, device=self.device)
+        group.broadcast(payload, "header")
+        return decode_header(payload.cpu().numpy().tobytes(), group.where.group)

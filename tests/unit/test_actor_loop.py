@@ -64,3 +64,70 @@ def test_shutdown_read_between_requests_stops_without_asking_again(
     assert actor.stopping == "broker: training finished"
     assert seen.count("LeaseRequest") == 1, seen  # nothing asked after the Shutdown
     assert seen[-1] == "Goodbye", seen
+
+
+class _InPlaceSim:
+    """A sim engine that cannot roll back (like vLLM/SGLang, whose workers load in place)."""
+
+    backup_weights = None  # hides the RollsBack methods from the runtime protocol check
+    restore_weights = None
+
+    def __init__(self, inner: object) -> None:
+        object.__setattr__(self, "_inner", inner)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        setattr(self._inner, name, value)
+
+
+@pytest.mark.parametrize("rolls_back", [True, False])
+def test_a_load_that_fails_half_way_never_leaves_half_loaded_weights_serving(
+    monkeypatch: pytest.MonkeyPatch, rolls_back: bool
+) -> None:
+    import time
+
+    import torch
+
+    from drmas.actors.engines import RollsBack
+    from drmas.protocol.messages import JoinWeightGroup, LeaseReturn, WeightsLoaded
+    from drmas.transports.weights import WeightSyncError
+
+    cfg = load_config(["actor.engine.name=sim", "weights.verify_digest=false"])
+    actor = Actor(cfg, "a1")
+    sent: list[object] = []
+    monkeypatch.setattr(actor.client, "send", sent.append)
+
+    def half_then_fail(join: JoinWeightGroup, load) -> None:  # type: ignore[no-untyped-def]
+        load([("w", torch.ones(3))])  # the first bucket lands, then the learner dies
+        raise WeightSyncError("peer gone")
+
+    monkeypatch.setattr(actor.receiver, "receive_into", half_then_fail)
+
+    async def main() -> None:
+        engine = make_engine("solver", "", cfg.actor.engine_of("solver"))
+        await engine.start()
+        engine.load_weights([("w", torch.zeros(3))], 1)  # serving v1
+        before = engine.weights_digest()
+        actor.engines = {"solver": engine if rolls_back else _InPlaceSim(engine)}  # type: ignore[dict-item]
+        assert isinstance(actor.engines["solver"], RollsBack) == rolls_back
+        actor.running[7] = asyncio.create_task(asyncio.sleep(60))
+        actor.leases[7] = None  # type: ignore[assignment]
+        actor.started_at[7] = 0.0
+        actor.joins.append((JoinWeightGroup("solver", 2, "g", "h:1", 1, 2, 5.0), time.monotonic()))
+        await actor.sync_weights()
+        loaded = [m for m in sent if isinstance(m, WeightsLoaded)]
+        assert len(loaded) == 1 and not loaded[0].ok
+        if rolls_back:  # the previous version serves, bit for bit
+            assert engine.version == 1 and engine.weights_digest() == before
+            assert "restored" in loaded[0].error and 7 in actor.running
+        else:  # cannot undo: no group generates on it, none is asked for until a reload
+            assert actor.quarantined == {"solver": 1} and engine.version == 1  # re-published
+            assert not actor.running
+            assert any(isinstance(m, LeaseReturn) and m.lease_ids == [7] for m in sent)
+        for task in actor.running.values():
+            task.cancel()
+        await engine.close()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))

@@ -280,3 +280,23 @@ def test_two_rank_learner_checkpoint_restores_every_shard(tmp_path: Path) -> Non
     assert manifest is not None and sorted(manifest["files"]) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "rng-rank0.pt", "rng-rank1.pt"
     ]  # fmt: skip
+
+
+def test_rng_state_round_trips_without_pickle(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    from drmas.checkpoints.learner import rng_state, set_rng_state
+
+    cpu = torch.device("cpu")
+    random.gauss(0, 1)  # a cached gaussian is part of the state too
+    torch.save(rng_state(cpu), tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True), cpu)  # no pickle
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    evil = {"torch": torch.get_rng_state(), "python": np.zeros(3)}  # needs pickle to load
+    torch.save(evil, tmp_path / "evil.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        torch.load(tmp_path / "evil.pt", weights_only=True)

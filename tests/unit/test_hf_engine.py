@@ -240,6 +240,24 @@ def test_load_weights_names_shapes_and_tied_embeddings(model_path: Path, referen
     with_engine(model_path, body)
 
 
+def test_a_backup_restores_the_weights_and_version_after_a_partial_load(
+    model_path: Path, reference: Any
+) -> None:
+    async def body(engine: HFEngine) -> None:
+        before = engine.weights_digest()
+        backup = engine.backup_weights()
+        assert engine.model is not None
+        width = engine.model.get_input_embeddings().weight.shape[1]
+        engine.load_weights([("model.norm.weight", torch.full((width,), 3.0))], version=5)
+        with pytest.raises(KeyError):
+            engine.load_weights([("model.no_such.weight", torch.zeros(1))], version=5)
+        assert engine.version == 5 and engine.weights_digest() != before  # half-loaded
+        engine.restore_weights(backup)
+        assert engine.version == 0 and engine.weights_digest() == before
+
+    with_engine(model_path, body)
+
+
 def test_sampling_is_reproducible_from_the_seed(model_path: Path, reference: Any) -> None:
     _, tokenizer = reference
     prompts = [ids_of(tokenizer, p) for p in PROMPTS]

@@ -29,6 +29,20 @@ class ReceivesWeights(Protocol):
         ...
 
 
+@runtime_checkable
+class RollsBack(Protocol):
+    """An in-process engine that can keep its current weights aside during a load, so a
+    publish that fails half-way leaves the previous version serving."""
+
+    def backup_weights(self) -> object:
+        """What `restore_weights` needs to put the current weights (and version) back."""
+        ...
+
+    def restore_weights(self, backup: object) -> None:
+        """Undo every load since `backup` was taken (call only while paused)."""
+        ...
+
+
 def _hf(model_name: str, path: str, cfg: EngineConfig) -> Engine:
     from drmas.actors.engines.hf import HFEngine
 

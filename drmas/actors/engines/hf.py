@@ -234,6 +234,20 @@ class HFEngine:
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         self.version = version
 
+    def backup_weights(self) -> object:
+        """A copy of every parameter and buffer (on the CPU) and the version: what a failed
+        load restores. Costs one model's size in host memory during a load."""
+        if self.model is None:
+            raise RuntimeError(f"engine {self.model_name!r}: call start() before backup_weights()")
+        state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return self.version, state
+
+    def restore_weights(self, backup: object) -> None:
+        assert self.model is not None and isinstance(backup, tuple)
+        version, state = backup
+        self.model.load_state_dict(state)
+        self.version = version
+
     def weights_digest(self) -> str:
         """Fingerprint of the weights generation uses (drmas.transports.digest)."""
         if self.model is None:

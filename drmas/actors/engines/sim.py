@@ -221,6 +221,15 @@ class SimEngine:
         self.weight_loads += 1
         self.version = version
 
+    def backup_weights(self) -> object:
+        import copy
+
+        return self.version, copy.deepcopy(self._digest), self._digest_version, self.weight_loads
+
+    def restore_weights(self, backup: object) -> None:
+        assert isinstance(backup, tuple)
+        self.version, self._digest, self._digest_version, self.weight_loads = backup
+
     def weights_digest(self) -> str:
         """Fingerprint of every tensor received for the current version ("" before any)."""
         return self._digest.hexdigest() if self._digest is not None else ""
