@@ -33,6 +33,16 @@ class RetrieverConfig:
     device: str = "cpu"
     """dense: device of the query/passage encoder."""
     host: str = "127.0.0.1"
-    """drmas retriever: address to bind."""
+    """drmas retriever: address to bind. The HTTP API has no authentication: an address
+    other hosts can reach is refused unless allow_remote=true."""
     port: int = 8000
     """drmas retriever: port to bind."""
+    allow_remote: bool = False
+    """drmas retriever: bind a non-loopback host (only on a network of trusted hosts, or
+    behind a firewall that admits just the actors' nodes; a warning is logged)."""
+    max_connections: int = 64
+    """drmas retriever: open connections served at once; more get 503 at once."""
+    max_topk: int = 100
+    """drmas retriever: largest topk a request may ask for."""
+    max_queries: int = 1024
+    """drmas retriever: queries one request may carry."""

@@ -4,14 +4,19 @@ actors (on many nodes) share one index instead of each loading its own.
     POST /retrieve  {"queries": [...], "topk": k, "return_scores": bool}  -> {"result": [...]}
     GET  /health    -> {"status": "ok", "retriever": "..."}
 
-One thread per connection (stdlib ThreadingHTTPServer); the index is not known to be
-thread-safe, so the searches themselves run one request at a time under a lock (an
-actor already sends a turn's queries as one batch). Bad requests get 400 with
-{"error": ...}; a failing search 500.
+One thread per connection (stdlib ThreadingHTTPServer), at most `max_connections` at once
+(more are answered 503 and closed); every socket read and write times out after
+SOCKET_TIMEOUT_S, so a stalled client holds its thread that long at most. The index is
+not known to be thread-safe, so the searches themselves run one request at a time under
+a lock (an actor already sends a turn's queries as one batch). Bad requests (a body over
+MAX_BODY_BYTES, topk over `max_topk`, more than `max_queries` queries or one longer than
+MAX_QUERY_CHARS) get 400 with {"error": ...}; a failing search 500. There is no
+authentication: like the broker, it binds only loopback unless told otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -30,6 +35,70 @@ log = logging.getLogger("drmas.retrieval")
 
 MAX_BODY_BYTES = 8 << 20
 """Larger request bodies are refused (400) before reading."""
+MAX_QUERY_CHARS = 4096
+"""A longer query is refused (400)."""
+SOCKET_TIMEOUT_S = 30.0
+"""Every read and write on a connection; an idle keep-alive connection closes after it."""
+
+
+class Limits:
+    """What one request may ask for (from RetrieverConfig)."""
+
+    def __init__(self, max_topk: int = 100, max_queries: int = 1024, max_connections: int = 64):
+        self.max_topk, self.max_queries, self.max_connections = (
+            max_topk,
+            max_queries,
+            max_connections,
+        )
+
+
+def check_bind(host: str, allow_remote: bool) -> None:
+    """Refuse a bind other hosts can reach unless allowed (then warn): the API has no
+    authentication, so anyone who reaches the port can use the index."""
+    from drmas.transports.security import SecurityError, is_loopback
+
+    if is_loopback(f"tcp://{host}:0"):
+        return
+    if not allow_remote:
+        raise SecurityError(
+            f"refusing to serve the retriever on {host}: its HTTP API has no authentication, "
+            "so any host that reaches the port could use it. Bind 127.0.0.1, or, on a network "
+            "of trusted hosts (or behind a firewall admitting only the actors' nodes), set "
+            "retriever.allow_remote=true"
+        )
+    log.warning("retriever bound to %s without authentication (retriever.allow_remote=true)", host)
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a cap on connections served at once."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            with contextlib.suppress(OSError):
+                request.settimeout(1.0)
+                body = b'{"error": "too many connections; retry later"}'
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    b"Connection: close\r\nContent-Length: " + str(len(body)).encode()
+                    + b"\r\n\r\n" + body
+                )  # fmt: skip
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class BadRequest(ValueError):
@@ -37,14 +106,16 @@ class BadRequest(ValueError):
 
 
 def make_server(
-    retriever: Retriever, host: str, port: int, top_k_default: int
+    retriever: Retriever, host: str, port: int, top_k_default: int, limits: Limits | None = None
 ) -> ThreadingHTTPServer:
     """A bound server (port 0 = any free port: read it from `server.server_address`);
     call `serve_forever()` to answer."""
     lock = threading.Lock()
+    caps = limits or Limits()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = SOCKET_TIMEOUT_S  # socket.settimeout on every connection
 
         def do_GET(self) -> None:
             if self.path.rstrip("/") == "/health":
@@ -57,7 +128,7 @@ def make_server(
                 self._reply(404, {"error": f"no such path {self.path!r}; try POST /retrieve"})
                 return
             try:
-                queries, top_k, with_scores = _parse(self._body(), top_k_default)
+                queries, top_k, with_scores = _parse(self._body(), top_k_default, caps)
             except BadRequest as exc:
                 self._reply(400, {"error": str(exc)})
                 return
@@ -91,12 +162,10 @@ def make_server(
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s " + format, self.address_string(), *args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    return _BoundedServer((host, port), Handler, caps.max_connections)
 
 
-def _parse(body: bytes, top_k_default: int) -> tuple[list[str], int, bool]:
+def _parse(body: bytes, top_k_default: int, limits: Limits) -> tuple[list[str], int, bool]:
     try:
         request = json.loads(body)
     except ValueError as exc:
@@ -106,9 +175,15 @@ def _parse(body: bytes, top_k_default: int) -> tuple[list[str], int, bool]:
     queries = request.get("queries")
     if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
         raise BadRequest("'queries' must be a list of strings")
+    if len(queries) > limits.max_queries:
+        raise BadRequest(f"{len(queries)} queries in one request, at most {limits.max_queries}")
+    if any(len(q) > MAX_QUERY_CHARS for q in queries):
+        raise BadRequest(f"a query is longer than {MAX_QUERY_CHARS} characters")
     top_k = request.get("topk") or top_k_default
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-        raise BadRequest(f"'topk' must be a positive integer, got {top_k!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= limits.max_topk:
+        raise BadRequest(
+            f"'topk' must be an integer in 1..{limits.max_topk}, got {str(top_k)[:40]}"
+        )
     with_scores = request.get("return_scores", False)
     if not isinstance(with_scores, bool):
         raise BadRequest(f"'return_scores' must be true or false, got {with_scores!r}")
@@ -125,10 +200,12 @@ def _render(hits: list[Passage], with_scores: bool) -> list[dict[str, Any]]:
     return [{"document": d, "score": p.score} for d, p in zip(docs, hits, strict=True)]
 
 
-def serve(retriever: Retriever, host: str, port: int, top_k_default: int) -> None:
+def serve(
+    retriever: Retriever, host: str, port: int, top_k_default: int, limits: Limits | None = None
+) -> None:
     """Answer until SIGTERM or SIGINT, then stop accepting, close the retriever and return.
     Prints the URL on stdout once it accepts connections."""
-    server = make_server(retriever, host, port, top_k_default)
+    server = make_server(retriever, host, port, top_k_default, limits)
     bound_host, bound_port = server.server_address[:2]
     url = f"http://{bound_host!s}:{bound_port}"
     stop = threading.Event()
@@ -154,8 +231,14 @@ def serve(retriever: Retriever, host: str, port: int, top_k_default: int) -> Non
 def run_retriever(cfg: DrmasConfig) -> int:
     """The `drmas retriever` role: resolve the corpus, build (or load) the index, serve."""
     from drmas.retrieval import build_retriever, resolve_corpus_path
+    from drmas.transports.security import SecurityError
 
     rc = cfg.retriever
+    try:
+        check_bind(rc.host, rc.allow_remote)
+    except SecurityError as exc:
+        print(f"drmas retriever: {exc}", file=sys.stderr)
+        return 2
     if rc.name not in ("bm25", "dense"):
         print(
             f"drmas retriever: retriever.name={rc.name} cannot be served; set "
@@ -170,7 +253,8 @@ def run_retriever(cfg: DrmasConfig) -> int:
         print(f"drmas retriever: {exc}", file=sys.stderr)
         return 2
     try:
-        serve(retriever, rc.host, rc.port, rc.top_k)
+        serve(retriever, rc.host, rc.port, rc.top_k,
+              Limits(rc.max_topk, rc.max_queries, rc.max_connections))  # fmt: skip
     except OSError as exc:  # the port is taken, or the host is not this machine's
         print(
             f"drmas retriever: cannot listen on {rc.host}:{rc.port} ({exc}); set "

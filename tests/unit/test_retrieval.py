@@ -373,7 +373,10 @@ def test_server_round_trip_and_bad_requests(corpus: Path) -> None:
             (b"[1]", "JSON object"),
             (b"{oops", "not JSON"),
             (b'{"queries": "one"}', "list of strings"),
-            (b'{"queries": ["a"], "topk": -1}', "positive integer"),
+            (b'{"queries": ["a"], "topk": -1}', "integer in 1..100"),
+            (b'{"queries": ["a"], "topk": 1000000000000}', "integer in 1..100"),
+            (json.dumps({"queries": ["q"] * 1025}).encode(), "at most 1024"),
+            (json.dumps({"queries": ["q" * 5000]}).encode(), "longer than"),
             (b'{"queries": ["a"], "return_scores": "yes"}', "true or false"),
         ]:
             status, answer = _post(url + "/retrieve", body)
@@ -382,6 +385,48 @@ def test_server_round_trip_and_bad_requests(corpus: Path) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_server_caps_connections_and_times_out_stalled_clients(
+    corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from drmas.retrieval import server as srv
+    from drmas.retrieval.bm25 import BM25Retriever
+
+    monkeypatch.setattr(srv, "SOCKET_TIMEOUT_S", 1.0)
+    server = srv.make_server(
+        BM25Retriever(corpus), "127.0.0.1", 0, 2, srv.Limits(max_connections=4)
+    )
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    port = server.server_address[1]
+    stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    try:
+        for s in stalled:  # a POST that never sends its body: each holds a thread
+            s.sendall(b"POST /retrieve HTTP/1.1\r\nContent-Length: 100\r\n\r\n")
+        time.sleep(0.3)
+        status, answer = _post(f"http://127.0.0.1:{port}/retrieve", b'{"queries": ["a"]}')
+        assert status == 503 and "too many" in answer["error"]
+        assert threading.active_count() < 20  # no thread per stalled client beyond the cap
+        time.sleep(1.5)  # past the socket timeout: the stalled ones are dropped
+        status, _ = _post(f"http://127.0.0.1:{port}/retrieve", b'{"queries": ["a"]}')
+        assert status == 200
+    finally:
+        for s in stalled:
+            s.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_retriever_refuses_a_remote_bind_unless_allowed() -> None:
+    from drmas.retrieval.server import check_bind
+    from drmas.transports.security import SecurityError
+
+    check_bind("127.0.0.1", allow_remote=False)
+    with pytest.raises(SecurityError, match=r"retriever\.allow_remote=true"):
+        check_bind("0.0.0.0", allow_remote=False)
+    check_bind("0.0.0.0", allow_remote=True)  # allowed, with a warning
 
 
 # ---------------------------------------------------------------------------------------
