@@ -23,6 +23,7 @@ import signal
 import socket
 import time
 import zlib
+from typing import TypeVar
 
 from drmas.actors.engines import ReceivesWeights, RollsBack, make_engine
 from drmas.actors.engines.base import Engine
@@ -49,7 +50,12 @@ from drmas.transports.channel import BrokerClient, BrokerRefused, BrokerUnavaila
 from drmas.transports.weights import NamedTensors, WeightReceiver
 
 log = logging.getLogger("drmas.actor")
+T = TypeVar("T")
 REQUEST_TIMEOUT_S = 30.0
+"""One attempt of a request to the broker."""
+REQUEST_ATTEMPTS = 4
+"""Attempts before the actor gives up on a silent broker (backoff 1, 2, 4 s between):
+a broker stalled for up to ~2 minutes loses no actor."""
 GOODBYE_LINGER_MS = 2000
 """Longest wait on exit for the Goodbye to reach the broker."""
 
@@ -128,11 +134,11 @@ class Actor:
                 if self.stopping:  # a Shutdown just read: the broker may already be gone,
                     break  # so ask it nothing more (the request would wait out its timeout)
                 await self.sync_weights()
-                self.send_finished()
+                await self.send_finished()
                 now = time.monotonic()
                 free = self.cfg.actor.max_groups - len(self.running)
                 if free > 0 and now - last_ask >= retry_after and not self.quarantined:
-                    retry_after = self.ask_for_leases(free)
+                    retry_after = await self.ask_for_leases(free)
                     last_ask = now
                 await asyncio.sleep(0.002 if self.running else 0.02)
         finally:
@@ -171,11 +177,25 @@ class Actor:
         self.stopping = f"broker: {shutdown.reason}"
         return True
 
-    def ask_for_leases(self, free: int) -> float:
+    async def ask(self, message: object, expect: type[T]) -> T:
+        """A request that waits without blocking the loop (heartbeats and episodes go on)
+        and is retried with backoff; BrokerUnavailable after REQUEST_ATTEMPTS silent tries.
+        A retried LeaseRequest whose first answer comes late leaves those leases unused
+        (they expire); a retried GroupResult is refused as already returned: nothing is
+        trained twice."""
+        for attempt in range(REQUEST_ATTEMPTS):
+            try:
+                return await self.client.arequest(message, expect, REQUEST_TIMEOUT_S)
+            except BrokerUnavailable as exc:
+                if attempt + 1 == REQUEST_ATTEMPTS or self.shut_down_meanwhile(exc):
+                    raise
+                log.warning("%s; retrying (%d of %d)", exc, attempt + 2, REQUEST_ATTEMPTS)
+                await asyncio.sleep(2.0**attempt)
+        raise AssertionError("unreachable")
+
+    async def ask_for_leases(self, free: int) -> float:
         try:
-            reply = self.client.request(
-                LeaseRequest(self.id, free, self.versions()), Leases, REQUEST_TIMEOUT_S
-            )
+            reply = await self.ask(LeaseRequest(self.id, free, self.versions()), Leases)
         except BrokerRefused as exc:
             log.warning("lease request refused (%s); saying hello again", exc)
             self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
@@ -195,7 +215,7 @@ class Actor:
             )
         return reply.retry_after_s
 
-    def send_finished(self) -> None:
+    async def send_finished(self) -> None:
         for lease_id in [i for i, t in self.running.items() if t.done()]:
             task = self.running.pop(lease_id)
             lease = self.leases.pop(lease_id)
@@ -208,7 +228,7 @@ class Actor:
                 continue
             result = pack_group(self.id, lease_id, lease.group_id, task.result(), seconds)
             try:
-                ack = self.client.request(result, Accepted, REQUEST_TIMEOUT_S)
+                ack = await self.ask(result, Accepted)
             except BrokerRefused as exc:
                 log.error("group %d refused by the broker: %s", lease.group_id, exc)
                 continue
@@ -294,7 +314,10 @@ class Actor:
     async def heartbeats(self) -> None:
         """Its own task: beats go on while the main loop waits for a weight group."""
         while True:
-            self.client.send(Heartbeat(self.id, self.versions(), len(self.running)))
+            try:
+                self.client.send(Heartbeat(self.id, self.versions(), len(self.running)))
+            except BrokerUnavailable as exc:  # the main loop's requests decide when to give up
+                log.warning("heartbeat not sent: %s", exc)
             await asyncio.sleep(self.heartbeat_s)
 
     # --------------------------------------------------------------- cleanup

@@ -30,6 +30,7 @@ Security (DESIGN.md §7, keys in drmas/transports/security.py):
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from collections.abc import Callable
@@ -48,6 +49,10 @@ from drmas.transports.config import SecurityConfig
 from drmas.transports.security import check_bind, secure_client, secure_server
 
 T = TypeVar("T")
+
+
+SEND_TIMEOUT_S = 10.0
+"""Longest a send may wait for room in the queue to the broker."""
 
 
 class BrokerUnavailable(TimeoutError):
@@ -126,6 +131,9 @@ class BrokerClient:
         self.sock.setsockopt(zmq.RCVHWM, 10_000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # a send blocks only while the queue to the broker is full (10_000 frames): never
+        # longer than this, then BrokerUnavailable
+        self.sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
         if security is not None and security.curve:
             try:
                 secure_client(self.sock, security)
@@ -136,7 +144,13 @@ class BrokerClient:
         self.inbox: collections.deque[FromBroker] = collections.deque()
 
     def send(self, message: object) -> None:
-        self.sock.send(encode(message))  # type: ignore[arg-type]
+        try:
+            self.sock.send(encode(message))  # type: ignore[arg-type]
+        except zmq.Again:
+            raise BrokerUnavailable(
+                f"could not queue {type(message).__name__} for the broker at {self.address} "
+                f"within {SEND_TIMEOUT_S:.0f}s: 10,000 messages wait unsent; is it running?"
+            ) from None
 
     def recv(self, timeout_s: float) -> FromBroker | None:
         """Next message (inbox first), or None after timeout_s. Bad frames are skipped."""
@@ -154,28 +168,59 @@ class BrokerClient:
                     return None
 
     def request(self, message: object, expect: type[T] | tuple[type, ...], timeout_s: float) -> T:
-        """Send and wait for a reply of type `expect`; other messages go to `inbox`."""
+        """Send and wait (blocking) for a reply of type `expect`; other messages go to
+        `inbox`. Processes without an event loop (learner ranks, `drmas status`) use it."""
         self.send(message)
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise BrokerUnavailable(
-                    f"broker at {self.address} did not answer {type(message).__name__} "
-                    f"within {timeout_s:.0f}s; is `drmas broker` running there?"
-                )
+                raise self._unanswered(message, timeout_s)
             if not self.sock.poll(int(left * 1000) + 1):
                 continue
-            try:
-                reply = decode_from_broker(self.sock.recv())
-            except ProtocolError:
+            reply = self._take(message, expect)
+            if reply is not None:
+                return reply
+
+    async def arequest(
+        self, message: object, expect: type[T] | tuple[type, ...], timeout_s: float
+    ) -> T:
+        """`request` for an asyncio loop: polls without blocking and yields between polls
+        (2 ms growing to 50 ms), so the loop's other tasks (heartbeats, episodes) go on
+        while the broker is slow to answer."""
+        self.send(message)
+        deadline = time.monotonic() + timeout_s
+        pause = 0.002
+        while True:
+            if time.monotonic() >= deadline:
+                raise self._unanswered(message, timeout_s)
+            if not self.sock.poll(0):
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.05)
                 continue
-            if isinstance(reply, expect):
-                return reply  # type: ignore[return-value]
-            tag = type(message).__struct_config__.tag  # type: ignore[attr-defined]
-            if isinstance(reply, ErrorReply) and reply.refused in (tag, ""):
-                raise BrokerRefused(f"broker refused {type(message).__name__}: {reply.reason}")
-            self.inbox.append(reply)  # unsolicited, or an error about a fire-and-forget message
+            reply = self._take(message, expect)
+            if reply is not None:
+                return reply
+
+    def _take(self, message: object, expect: type[T] | tuple[type, ...]) -> T | None:
+        """Read one waiting frame: the reply, or None (kept in `inbox`, or a bad frame)."""
+        try:
+            reply = decode_from_broker(self.sock.recv())
+        except ProtocolError:
+            return None
+        if isinstance(reply, expect):
+            return reply  # type: ignore[return-value]
+        tag = type(message).__struct_config__.tag  # type: ignore[attr-defined]
+        if isinstance(reply, ErrorReply) and reply.refused in (tag, ""):
+            raise BrokerRefused(f"broker refused {type(message).__name__}: {reply.reason}")
+        self.inbox.append(reply)  # unsolicited, or an error about a fire-and-forget message
+        return None
+
+    def _unanswered(self, message: object, timeout_s: float) -> BrokerUnavailable:
+        return BrokerUnavailable(
+            f"broker at {self.address} did not answer {type(message).__name__} "
+            f"within {timeout_s:.0f}s; is `drmas broker` running there?"
+        )
 
     def hello(
         self, role: Role, models: list[str], *, timeout_s: float, rank: int = 0, world_size: int = 1

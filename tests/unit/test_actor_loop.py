@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import zmq
@@ -131,3 +132,61 @@ def test_a_load_that_fails_half_way_never_leaves_half_loaded_weights_serving(
         await engine.close()
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def slow_broker(sock: zmq.Socket, seen: list[tuple[float, str]], stall_s: float) -> None:
+    """Welcome; leave the first LeaseRequest unanswered for `stall_s` (a broker stalled in
+    a long operation), answer the retried one with no leases, then Shutdown. Records
+    (time, tag) of everything received."""
+    stalled_until = None
+    identity = b""
+    while True:
+        if not sock.poll(100):
+            if stalled_until is not None and time.monotonic() >= stalled_until:
+                sock.send_multipart([identity, encode(Shutdown("done"))])
+                stalled_until = None
+            if seen and seen[-1][1] == "Goodbye":
+                return
+            continue
+        identity, payload = sock.recv_multipart()
+        msg = decode_to_broker(payload)
+        seen.append((time.monotonic(), type(msg).__name__))
+        if isinstance(msg, Hello):
+            sock.send_multipart([identity, encode(Welcome("run", {}, {}, 0.2))])
+        elif isinstance(msg, LeaseRequest):
+            if sum(t == "LeaseRequest" for _, t in seen) == 1:
+                stalled_until = time.monotonic() + stall_s  # no answer to this one
+            else:
+                sock.send_multipart([identity, encode(Leases([], retry_after_s=5.0))])
+        elif isinstance(msg, Goodbye):
+            return
+
+
+def test_heartbeats_go_on_while_a_request_waits_and_a_stall_is_retried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The actor used to block its event loop in a 30 s ZeroMQ poll: no heartbeat while it
+    waited, and an unanswered request ended the actor at once."""
+    monkeypatch.setattr(actor_main, "REQUEST_TIMEOUT_S", 1.5)
+    monkeypatch.setattr(actor_main, "make_engine", lambda m, _p, c: make_engine(m, "", c))
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    seen: list[tuple[float, str]] = []
+    broker = threading.Thread(target=slow_broker, args=(router, seen, 2.5), daemon=True)
+    broker.start()
+    cfg = load_config(
+        [f"broker.address=tcp://127.0.0.1:{port}", "actor.engine.name=sim", "actor.max_groups=1"]
+    )
+    actor = Actor(cfg, "a1")
+    try:
+        asyncio.run(asyncio.wait_for(actor.run(), timeout=30))
+    finally:
+        broker.join(timeout=35)
+        router.close(linger=0)
+    asks = [t for t, tag in seen if tag == "LeaseRequest"]
+    assert len(asks) >= 2  # the unanswered one was retried, the actor did not exit
+    beats = [t for t, tag in seen if tag == "Heartbeat" and asks[0] < t < asks[1]]
+    assert len(beats) >= 4, seen  # every 0.2 s while the first request waited
+    assert actor.stopping == "broker: done"
