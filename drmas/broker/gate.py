@@ -17,6 +17,11 @@ Roles, bound at Hello and fixed for the connection's client id:
                              StepReport(m), PublishRequest(m), PublishDone(m)
     observer (`client`)      StatusRequest only (also allowed before any Hello)
 
+With CURVE, each key may be bound to one role (`drmas keys --clients NAME:ROLE`): the
+broker reads the key of every message (its ZAP User-Id) and refuses a Hello, or any later
+message, whose role that key does not allow, so a stolen observer key cannot train,
+publish or take over an actor's id.
+
 Versions: a learner reports the next version (current + 1, never beyond train.steps);
 it publishes the version it has trained; an actor can hold at most what was published,
 and a step it generated carries at most that.
@@ -138,6 +143,13 @@ class Gate:
                 f"broker.max_actors={st.cfg.broker.max_actors} actors are registered; "
                 "raise it in the broker's config to attach more"
             )
+
+    @staticmethod
+    def check_key(role: str, key_roles: frozenset[str] | None) -> None:
+        """With CURVE, the sender's key must allow `role` (None: no CURVE, nothing to check)."""
+        if key_roles is not None and role not in key_roles:
+            shown = "observer" if role == "client" else role
+            _forbidden(f"this client's CURVE key is not allowed the {shown} role")
 
     # ------------------------------------------------------------- messages
     def sender(self, cid: str) -> Sender | None:

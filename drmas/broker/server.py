@@ -56,6 +56,7 @@ from drmas.protocol.messages import (
 )
 from drmas.tasks.source import TaskSource
 from drmas.transports.channel import bind_router
+from drmas.transports.security import key_roles, keys_dir
 
 log = logging.getLogger("drmas.broker")
 
@@ -86,6 +87,8 @@ class BrokerServer:
         )
         self.checkpoints.restore(self.state)
         self.gate = Gate(self.state)
+        # CURVE: public key (z85) -> Hello roles it may take (authorized/roles.json)
+        self.key_roles = key_roles(keys_dir(cfg.security)) if cfg.security.curve else None
         self._internal_logged: set[tuple[str, str]] = set()
         self.limits = Limits(
             agent_models=dict(self.state.agent_models),
@@ -198,7 +201,7 @@ class BrokerServer:
             msg = decode_to_broker(payload)
             tag = type(msg).__struct_config__.tag  # type: ignore[assignment]
             client_id = identity.decode("utf-8", errors="strict")
-            self.dispatch(client_id, msg)
+            self.dispatch(client_id, msg, self._key_roles_of(frames[1]))
         except ProtocolError as exc:
             self.refuse(identity, exc.code, exc.reason, tag)
         except UnicodeDecodeError:
@@ -212,16 +215,24 @@ class BrokerServer:
                 )
             self.refuse(identity, "internal", f"{type(exc).__name__} while handling it", tag)
 
-    def dispatch(self, cid: str, msg: ToBroker) -> None:
+    def _key_roles_of(self, frame: zmq.Frame) -> frozenset[str] | None:
+        """With CURVE: the roles the sender's key may take (its ZAP User-Id is the key)."""
+        if self.key_roles is None:
+            return None
+        return self.key_roles.get(str(frame.get("User-Id")), frozenset())
+
+    def dispatch(self, cid: str, msg: ToBroker, key_roles: frozenset[str] | None = None) -> None:
         now = time.monotonic()
         st = self.state
         if isinstance(msg, Hello):
+            self.gate.check_key(msg.role, key_roles)
             self.on_hello(cid, msg, now)
             return
         if isinstance(msg, StatusRequest):
             self.send(cid, st.status(now))
             return
-        self.gate.admit(cid, msg)  # sender, role, model, rank, versions, sizes; raises if not
+        sender = self.gate.admit(cid, msg)  # sender, role, model, rank, versions, sizes
+        self.gate.check_key(sender.role, key_roles)
         st.seen(cid, now)
         match msg:
             case Heartbeat():

@@ -77,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument(
         "--clients",
         default="default",
-        help="comma-separated client names, one key pair each (security.client_name)",
+        help="comma-separated client names, one key pair each (security.client_name); "
+        "NAME:ROLE binds a key to one role (actor, learner or observer = drmas status), so a "
+        "stolen observer key cannot train or publish",
     )
     keys.add_argument(
         "--force", action="store_true", help="replace existing keys (all old keys stop working)"
@@ -158,9 +160,11 @@ def _keys(folder: str, clients: str, *, force: bool) -> int:
     from drmas.transports.security import SecurityError, write_keys
 
     root = Path(folder).expanduser().resolve()
-    names = [c.strip() for c in clients.split(",") if c.strip()]
+    pairs = [c.strip().partition(":") for c in clients.split(",") if c.strip()]
+    names = [name for name, _, _ in pairs]
+    roles = {name: role for name, _, role in pairs if role}
     try:
-        written = write_keys(root, names, force=force)
+        written = write_keys(root, names, force=force, roles=roles)
     except SecurityError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ Layout of a keys folder (written by `drmas keys DIR --clients a,b`; zmq certific
     DIR/clients/<name>.key_secret  a client's key pair (mode 600): copy to its node
     DIR/clients/<name>.key         the same client's public key
     DIR/authorized/<name>.key      public keys the broker accepts; nothing else gets in
+    DIR/authorized/roles.json      {name: role}: what each key may be (actor, learner or
+                                   observer = `drmas status`); a key not listed may be any
 
 So the broker's node needs broker.key_secret and authorized/; a client's node needs
 broker.key and its own clients/<name>.key_secret. The broker reads authorized/ when it
@@ -24,6 +26,7 @@ private subnet.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -47,6 +50,10 @@ DEFAULT_KEYS_DIR = "keys"
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
+KEY_ROLES = {"actor": "actor", "learner": "learner", "observer": "client"}
+"""Role given to a key at `drmas keys --clients NAME:ROLE` -> the Hello role it allows."""
+ANY_ROLE = frozenset(KEY_ROLES.values())
+
 
 class SecurityError(ValueError):
     """Keys missing or unusable, or an insecure bind; the message says what to run."""
@@ -69,8 +76,16 @@ def _make_hint(root: Path) -> str:
 
 
 # ---------------------------------------------------------------- writing keys
-def write_keys(root: Path, clients: Sequence[str], *, force: bool = False) -> list[Path]:
+def write_keys(
+    root: Path,
+    clients: Sequence[str],
+    *,
+    force: bool = False,
+    roles: dict[str, str] | None = None,
+) -> list[Path]:
     """Write a broker key pair and one key pair per client; returns the files written.
+    `roles` binds keys to one role each (name -> actor | learner | observer), written to
+    authorized/roles.json; a key without one may say Hello in any role.
 
     Refuses (SecurityError) when any key already exists there, unless force: then the
     whole key set is replaced and every key issued before stops working (old client
@@ -98,8 +113,15 @@ def write_keys(root: Path, clients: Sequence[str], *, force: bool = False) -> li
             f"drmas keys: {root} already holds keys ({shown}); refusing to overwrite. "
             "Pass --force to replace the whole key set (every issued key stops working)."
         )
-    for p in existing:
-        p.unlink()
+    roles = dict(roles or {})
+    for name, role in roles.items():
+        if name not in names or role not in KEY_ROLES:
+            raise SecurityError(
+                f"drmas keys: role {role!r} for {name!r}: give NAME:ROLE for a listed client "
+                f"with ROLE one of {sorted(KEY_ROLES)}"
+            )
+    for p in [*existing, root / "authorized" / "roles.json"]:
+        p.unlink(missing_ok=True)
     (root / "clients").mkdir(parents=True, exist_ok=True)
     (root / "authorized").mkdir(exist_ok=True)
     written = []
@@ -117,7 +139,30 @@ def write_keys(root: Path, clients: Sequence[str], *, force: bool = False) -> li
             if dest != root:  # a public key: nothing secret is copied
                 shutil.copyfile(dest / public.name, root / "authorized" / public.name)
                 written.append(root / "authorized" / public.name)
+    if roles:
+        (root / "authorized" / "roles.json").write_text(json.dumps(roles, indent=2) + "\n")
+        written.append(root / "authorized" / "roles.json")
     return written
+
+
+def key_roles(root: Path) -> dict[str, frozenset[str]]:
+    """z85 public key of every authorized client -> the Hello roles it may take (from
+    authorized/roles.json; any role when a key is not listed there). The broker reads the
+    key of each message from its ZAP User-Id and checks it against the sender's role."""
+    folder = root / "authorized"
+    path = folder / "roles.json"
+    try:
+        named = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError as exc:
+        raise SecurityError(f"{path} is not JSON ({exc}); rewrite it with `drmas keys`") from None
+    out: dict[str, frozenset[str]] = {}
+    for cert in sorted(folder.glob("*.key")):
+        public, _ = zmq.auth.load_certificate(cert)
+        role = named.get(cert.name.removesuffix(".key"))
+        if role is not None and role not in KEY_ROLES:
+            raise SecurityError(f"{path}: unknown role {role!r}; use one of {sorted(KEY_ROLES)}")
+        out[public.decode("ascii")] = frozenset({KEY_ROLES[role]}) if role else ANY_ROLE
+    return out
 
 
 # ------------------------------------------------------------- bind addresses

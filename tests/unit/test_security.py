@@ -184,3 +184,53 @@ def test_curve_router_close_releases_the_context(tmp_path: Path) -> None:
     done = threading.Event()
     threading.Thread(target=lambda: (ctx.term(), done.set()), daemon=True).start()
     assert done.wait(10), "ctx.term() hung: the ZAP handler outlived its socket"
+
+
+def test_a_key_bound_to_a_role_cannot_take_another(tmp_path: Path) -> None:
+    """`drmas keys --clients ops:observer,...`: the broker reads each message's key (ZAP
+    User-Id) and refuses roles the key was not given."""
+    import json
+    import time
+
+    from drmas.broker.server import BrokerServer
+    from drmas.launch.config import load_config
+    from drmas.protocol.messages import StatusReply, StatusRequest, Welcome
+    from drmas.transports.channel import BrokerRefused
+
+    keys = tmp_path / "keys"
+    assert cli(["keys", str(keys), "--clients", "ops:observer,actors:actor,any"]) == 0
+    assert json.loads((keys / "authorized" / "roles.json").read_text()) == {
+        "ops": "observer", "actors": "actor"}  # fmt: skip
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    cfg = load_config(
+        [f"models.solver.path={model}", f"models.verifier.path={model}", "val.every=0",
+         "security.curve=true", f"security.keys_dir={keys}"]
+    )  # fmt: skip
+    server = BrokerServer(cfg, None)
+    loop = threading.Thread(target=server.serve, kwargs={"max_seconds": 60}, daemon=True)
+    loop.start()
+
+    def client(name: str, cid: str) -> BrokerClient:
+        security = SecurityConfig(curve=True, keys_dir=str(keys), client_name=name)
+        return BrokerClient(server.address, cid, security=security)
+
+    try:
+        ops = client("ops", "ops-1")
+        assert isinstance(ops.hello("client", [], timeout_s=20), Welcome)
+        assert isinstance(ops.request(StatusRequest(), StatusReply, 10), StatusReply)
+        with pytest.raises(BrokerRefused, match="not allowed the actor role"):
+            ops.hello("actor", ["solver", "verifier"], timeout_s=10)
+        with pytest.raises(BrokerRefused, match="not allowed the learner role"):
+            client("actors", "x").hello("learner", ["solver"], timeout_s=10)
+        for name, cid in (("actors", "a1"), ("any", "a2")):
+            assert isinstance(
+                client(name, cid).hello("actor", ["solver", "verifier"], timeout_s=10), Welcome
+            )
+        counters = ops.request(StatusRequest(), StatusReply, 10).counters
+        assert counters["refused/forbidden"] == 2 and counters["actors_joined"] == 2
+    finally:
+        server._stop = True
+        loop.join(timeout=10)
+    time.sleep(0)
