@@ -194,7 +194,8 @@ def test_missing_receiver_times_out_and_sender_recovers(tmp_path: Path) -> None:
 
 
 def slow_receive_worker(j: JoinWeightGroup, started: str) -> None:
-    """A receiver that announces its first bucket, then dawdles so it can be killed mid-way."""
+    """A receiver that says it is ready (torch imported, about to join), announces its
+    first bucket, then dawdles so it can be killed mid-way."""
     torch.set_num_threads(1)
 
     def load(batch) -> None:
@@ -202,7 +203,18 @@ def slow_receive_worker(j: JoinWeightGroup, started: str) -> None:
         Path(started).touch()
         time.sleep(0.5)
 
-    WeightReceiver(WeightSyncConfig()).receive_into(j, load)
+    receiver = WeightReceiver(WeightSyncConfig())
+    Path(started + ".ready").touch()
+    receiver.receive_into(j, load)
+
+
+def wait_ready(started: Path, proc: multiprocessing.Process) -> None:
+    """The ready handshake: a freshly spawned interpreter takes seconds to import torch on
+    a loaded machine, which must not count against the publish's own (short) limits."""
+    deadline = time.monotonic() + 120
+    while not started.with_suffix(".ready").exists():
+        assert proc.is_alive() and time.monotonic() < deadline, "receiver never got ready"
+        time.sleep(0.02)
 
 
 def test_receiver_killed_during_broadcast_fails_the_publish_in_bounded_time(
@@ -220,6 +232,7 @@ def test_receiver_killed_during_broadcast_fails_the_publish_in_bounded_time(
         target=slow_receive_worker, args=(join(sender, "m-v1", 1, 2), str(started)), daemon=True
     )
     proc.start()
+    wait_ready(started, proc)
     killer_done = []
 
     def kill_when_receiving() -> None:
@@ -275,6 +288,7 @@ def test_receiver_that_stops_answering_mid_broadcast_times_out_the_sender(
         target=slow_receive_worker, args=(join(sender, "m-v1", 1, 2), str(started)), daemon=True
     )
     proc.start()
+    wait_ready(started, proc)
 
     def freeze_when_receiving() -> None:
         deadline = time.monotonic() + 60
