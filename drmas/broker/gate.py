@@ -29,6 +29,8 @@ and a step it generated carries at most that.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
@@ -51,6 +53,8 @@ from drmas.protocol.messages import (
 
 if TYPE_CHECKING:
     from drmas.broker.state import BrokerState
+
+log = logging.getLogger("drmas.broker")
 
 MAX_LEASE_IDS = 4096
 """Lease ids one LeaseReturn or Goodbye may name."""
@@ -92,6 +96,29 @@ def clip(text: object, limit: int = 200) -> str:
     """`text` for a log line or a reply: at most `limit` characters, saying what was cut."""
     s = str(text)
     return s if len(s) <= limit else f"{s[:limit]}... ({len(s) - limit} more characters)"
+
+
+class RateLimit:
+    """At most `per_minute` events per key in any minute, then one line saying how many
+    were held back (for log lines of refusals: a flood costs counters, not disk)."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self._window: dict[object, tuple[float, int]] = {}  # key -> (window start, count)
+
+    def allow(self, key: object, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        start, count = self._window.get(key, (now, 0))
+        if now - start >= 60.0:
+            if count > self.per_minute:
+                log.warning(
+                    "%d more like %s refused in the last minute", count - self.per_minute, key
+                )
+            start, count = now, 0
+        if len(self._window) > 1024:  # keys are (code, message type): few; never unbounded
+            self._window.clear()
+        self._window[key] = (start, count + 1)
+        return count < self.per_minute
 
 
 def _invalid(reason: str) -> NoReturn:

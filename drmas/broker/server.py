@@ -21,7 +21,7 @@ from pathlib import Path
 
 import zmq
 
-from drmas.broker.gate import Gate, clip
+from drmas.broker.gate import Gate, RateLimit, clip
 from drmas.broker.heap import tune_gc
 from drmas.broker.metrics import JsonlSink, NullSink, StepMetrics
 from drmas.broker.state import BrokerState
@@ -90,6 +90,7 @@ class BrokerServer:
         # CURVE: public key (z85) -> Hello roles it may take (authorized/roles.json)
         self.key_roles = key_roles(keys_dir(cfg.security)) if cfg.security.curve else None
         self._internal_logged: set[tuple[str, str]] = set()
+        self._refusal_log = RateLimit(per_minute=10)
         self.limits = Limits(
             agent_models=dict(self.state.agent_models),
             vocab_sizes=vocab_sizes(cfg),
@@ -182,7 +183,10 @@ class BrokerServer:
     def refuse(self, identity: bytes, code: str, reason: str, refused: str = "") -> None:
         self.state.counters[f"refused/{code}"] += 1
         reason = clip(reason, 500)  # neither a log line nor a reply grows with the input
-        log.warning("refused %s from %r: %s: %s", refused or "frame", identity[:64], code, reason)
+        if self._refusal_log.allow((code, refused)):  # a flood is logged, not every message
+            log.warning(
+                "refused %s from %r: %s: %s", refused or "frame", identity[:64], code, reason
+            )
         # the sender may be gone or unreachable: then there is nothing to answer
         with contextlib.suppress(zmq.Again, zmq.ZMQError):
             reply = encode(ErrorReply(code, reason, refused))
