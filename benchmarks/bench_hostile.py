@@ -77,6 +77,7 @@ def main() -> int:
         replies["largest"] = max(replies["largest"], len(frames[1]))
         replies["errors"] += isinstance(decode_from_broker(frames[1]), ErrorReply)
 
+    server.connections.close()
     server.sock.close(linger=0)
     server.sock = type("S", (), {"send_multipart": lambda _s, f, flags=0: record(f)})()  # fmt: skip
     lines = LongestLine()

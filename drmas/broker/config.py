@@ -42,5 +42,8 @@ class BrokerConfig:
     a weight-group rendezvous can block it for weights.timeout_s)."""
     max_actors: int = 1024
     """Actors registered at once; a Hello beyond it is refused."""
+    max_connections_per_host: int = 256
+    """Open connections one peer host may hold; more are closed as they arrive (every
+    actor, learner rank and `drmas status` of a host holds one)."""
     max_message_bytes: int = 256 * 1024 * 1024
     """Frames larger than this are dropped by ZeroMQ before decoding."""

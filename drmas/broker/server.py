@@ -21,6 +21,7 @@ from pathlib import Path
 
 import zmq
 
+from drmas.broker.connections import ConnectionCap
 from drmas.broker.gate import Gate, RateLimit, clip
 from drmas.broker.heap import tune_gc
 from drmas.broker.metrics import JsonlSink, NullSink, StepMetrics
@@ -103,6 +104,7 @@ class BrokerServer:
         self.sock, self.address = bind_router(
             self.ctx, cfg.broker.address, cfg.broker.max_message_bytes, cfg.security
         )
+        self.connections = ConnectionCap(self.sock, cfg.broker.max_connections_per_host)
         self._stop = False
         self._shutdown_sent = False
         log.info("broker listening on %s (run %s)", self.address, self.state.run_id)
@@ -120,6 +122,9 @@ class BrokerServer:
             while not self._stop:
                 if self.sock.poll(100):
                     self.drain()
+                self.connections.poll()
+                if self.connections.refused:
+                    self.state.counters["connections_refused"] = self.connections.refused
                 now = time.monotonic()
                 if now - last_reap > 0.5:
                     self.state.reap(now)
@@ -164,6 +169,7 @@ class BrokerServer:
                 "done": self.state.done,
             }
             (self.run_dir / "broker_summary.json").write_text(json.dumps(summary, indent=2))
+        self.connections.close()
         self.sock.close(linger=0)
         self.ctx.term()
 

@@ -130,6 +130,7 @@ def test_any_message_sequence_keeps_the_broker_alive_counted_and_bounded(
     )  # fmt: skip
     server = BrokerServer(cfg, None)
     sent: list[tuple[str, Any]] = []
+    server.connections.close()
     server.sock.close(linger=0)  # replies are recorded instead of sent
     server.sock = type("S", (), {"send_multipart": lambda _s, f, flags=0: sent.append(
         (f[0].decode() if isinstance(f[0], bytes) else f[0], decode_from_broker(f[1])))})()  # fmt: skip

@@ -50,6 +50,7 @@ def server(tmp_path: Path):
     )  # fmt: skip
     srv = BrokerServer(cfg, None)
     yield srv
+    srv.connections.close()
     srv.sock.close(linger=0)
     srv.ctx.term()
 
@@ -282,3 +283,47 @@ def test_a_weight_group_plan_names_only_registered_actors(server: BrokerServer) 
     actor.send(WeightsLoaded("a", "solver", 0, 0.1, digest="d"))
     assert actor.next(0.3) is None and learner.next(0.1) is None
     assert server.state.counters["weight_digest_match"] == 1
+
+
+def test_connections_beyond_the_per_host_cap_are_closed(tmp_path: Path) -> None:
+    """3,000 idle connections used to stay open (+80 MB); now a host holds at most
+    broker.max_connections_per_host and the rest are closed as they arrive."""
+    import socket
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    cfg = load_config([f"models.solver.path={folder}", f"models.verifier.path={folder}",
+                       "val.every=0", "broker.max_connections_per_host=20"])  # fmt: skip
+    srv = BrokerServer(cfg, None)
+    host, port = srv.address.removeprefix("tcp://").rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(60)]
+    try:
+        deadline = time.monotonic() + 10
+        while srv.connections.refused < 40 and time.monotonic() < deadline:
+            srv.connections.poll()
+            time.sleep(0.02)
+        assert srv.connections.refused == 40 and srv.connections.per_host["127.0.0.1"] == 20
+        closed = 0
+        for s in idle:  # the refused ones see the broker hang up
+            s.settimeout(0.3)  # well inside libzmq's own 30 s handshake limit
+            try:
+                while s.recv(4096):
+                    pass
+                closed += 1
+            except TimeoutError:
+                pass
+        assert closed == 40
+        for s in idle[:10]:  # room again once some leave
+            s.close()
+        time.sleep(0.3)
+        srv.connections.poll()
+        assert srv.connections.per_host["127.0.0.1"] == 10
+        peer = Peer(srv, "ops")
+        assert isinstance(peer.ask(StatusRequest()), StatusReply)
+    finally:
+        for s in idle:
+            s.close()
+        srv.connections.close()
+        srv.sock.close(linger=0)
+        srv.ctx.term()
