@@ -95,6 +95,8 @@ def run_learner(cfg: DrmasConfig, model: str, rank: int, world_size: int) -> Non
         version = broadcast_int(welcome.model_versions[model], device)
         beat = Heartbeats(client, model, version, welcome.heartbeat_interval_s)
         sender = WeightSender(cfg.weights, device, cfg.broker.address) if rank == 0 else None
+        if sender is not None:  # the one port of this process other hosts must reach
+            log.info("%s weight store listening on %s only", model, sender.store_address)
         saved = resume(cfg, trainer, version)
         log.info(
             "%s rank %d/%d ready at version %d on %s", model, rank, world_size, version, device
