@@ -142,7 +142,7 @@ def main() -> int:
             "error_replies": replies["errors"],
             "state_after": {
                 "learners": len(st.learners),
-                "loaded_digest_keys": len(st.loaded_digest),
+                "loaded_digest_keys": len(st.weights.loaded_digest),
                 "pending_metric_steps": len(st.metrics.pending),
                 "eval_queue": len(st.eval_queue),
                 "versions": dict(st.versions),

@@ -112,6 +112,7 @@ class CutBatch:
     samples: list[Sample]
     shards: list[BatchShard]
     stats: dict[str, float] = field(default_factory=dict)
+    stats_reported: bool = False  # the broker added `stats` to the step's metrics line
 
 
 def split_group(

@@ -234,7 +234,7 @@ class Gate:
 
     def _WeightsLoaded(self, who: Sender, msg: WeightsLoaded) -> None:
         self._served_model(who, msg.model)
-        planned = self.state.planned.get(msg.model, 0)
+        planned = self.state.weights.planned.get(msg.model, 0)
         if not (0 <= msg.version <= planned):
             _invalid(f"loaded {msg.model} v{msg.version}, but v{planned} is the newest sent")
         self._text(msg.error, "error")
@@ -271,7 +271,7 @@ class Gate:
 
     def _PublishDone(self, who: Sender, msg: PublishDone) -> None:
         self._own_rank(who, msg.model, 0, who.world_size)
-        planned = self.state.planned.get(msg.model)
+        planned = self.state.weights.planned.get(msg.model)
         if msg.version != planned:
             _invalid(f"publish done for {msg.model} v{msg.version}; the plan was for v{planned}")
         self._text(msg.error, "error")

@@ -253,12 +253,12 @@ class BrokerServer:
             case GroupResult():
                 self.on_group(cid, msg, now)
             case BatchRequest():
-                self.send(cid, st.batch(msg.model, msg.rank, msg.world_size, msg.version))
+                self.send(cid, st.batch(msg.model, msg.rank, msg.world_size, msg.version, now))
             case StepReport():
                 st.step_report(msg.model, msg.version, msg.metrics)
                 self.checkpoints.after_step(st, msg.model, msg.version)
             case PublishRequest():
-                plan, joins = st.publish_plan(msg.model, msg.version, msg.store_address, now)
+                plan, joins = st.weights.plan(msg.model, msg.version, msg.store_address, now)
                 for actor, join in joins:
                     self.send(actor, join)
                 self.send(cid, plan)
@@ -267,13 +267,13 @@ class BrokerServer:
                     log.warning(
                         "publish of %s v%d failed: %s", msg.model, msg.version, clip(msg.error)
                     )
-                st.publish_done(msg.model, msg.version, msg.seconds, msg.ok, msg.digest)
+                st.weights.done(msg.model, msg.version, msg.seconds, msg.ok, msg.digest)
             case WeightsLoaded():
                 if not msg.ok:
                     log.warning(
                         "%s failed to load %s v%d: %s", cid, msg.model, msg.version, clip(msg.error)
                     )
-                st.weights_loaded(cid, msg.model, msg.version, msg.ok, msg.digest)
+                st.weights.loaded(cid, msg.model, msg.version, msg.ok, msg.digest)
             case LeaseReturn():
                 log.warning(
                     "%s returns %d leases %s: %s",

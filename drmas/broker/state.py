@@ -1,7 +1,13 @@
-"""The broker's whole state and rules, without sockets (drmas/broker/server.py wires it).
+"""The broker's state and rules, without sockets (drmas/broker/server.py wires it; every
+message it passes on has been checked by drmas/broker/gate.py first).
 
-Owns: the task source, the lease table, one buffer per model, versions of every model
-and actor, validation rounds, counters. Rules (DESIGN.md §3):
+Owns, one component per concern:
+- membership and leases: `table` (drmas/broker/leases.py: actors, leases) and `learners`;
+- the task source and validation rounds (drmas/broker/evaluation.py);
+- one buffer per model (drmas/broker/buffers.py), cut into batches;
+- weight publishing and digests: `weights` (drmas/broker/publishing.py);
+- the models' versions, counters and metrics lines (drmas/broker/metrics.py).
+Rules:
 - admission: train groups in flight + buffered <= (η + 1) · B, and an actor gets a lease
   only if its weights are fresh enough for the batch that lease will land in;
 - staleness: a slice that would train version v_l more than η after it was generated is
@@ -20,6 +26,7 @@ from drmas.broker.buffers import ModelBuffer, split_group
 from drmas.broker.evaluation import EvalRound
 from drmas.broker.leases import ActorRecord, LearnerRecord, LeaseTable
 from drmas.broker.metrics import NullSink, StepMetrics
+from drmas.broker.publishing import WeightPublishing
 from drmas.launch.config import DrmasConfig
 from drmas.protocol import ProtocolError
 from drmas.protocol.messages import (
@@ -27,7 +34,6 @@ from drmas.protocol.messages import (
     BatchShard,
     EpisodeHeader,
     GroupResult,
-    JoinWeightGroup,
     Lease,
     Leases,
     ModelStatus,
@@ -35,11 +41,18 @@ from drmas.protocol.messages import (
     SamplingParams,
     StatusReply,
     Task,
-    WeightGroupPlan,
 )
 from drmas.tasks.source import TaskSource
 
 log = logging.getLogger("drmas.broker")
+
+
+ACTORS_DROPPED = {
+    "re-registered": "actors_re_registered",
+    "lost": "actors_lost",
+    "left": "actors_left",
+}
+"""Why an actor was removed -> its counter."""
 
 
 class BrokerState:
@@ -75,12 +88,9 @@ class BrokerState:
         self.eval_queue: collections.deque[tuple[Task, int]] = collections.deque()
         self.eval_rounds: dict[int, EvalRound] = {}
         self.eval_scheduled: set[int] = set()
-        self._publish_seq = 0
-        # (model, version) -> learner's fingerprint / actors' fingerprints, until compared
-        self.sent_digest: dict[tuple[str, int], str] = {}
-        self.planned: dict[str, int] = {}  # model -> version of its last weight-group plan
-        self.publishing: dict[str, float] = {}  # model -> deadline of the publish in flight
-        self.loaded_digest: dict[tuple[str, int], dict[str, str]] = {}
+        self.weights = WeightPublishing(
+            cfg, self.table.actors, self.versions, self.counters, self.metrics
+        )
         # actor -> {model: version} it must hold before its first lease (attached mid-run)
         self.attach_versions: dict[str, dict[str, int]] = {}
         self.train_sampling = SamplingParams(
@@ -136,7 +146,7 @@ class BrokerState:
         for record in self.table.remove_actor(client_id):
             self._requeue(record.task, record.eval_round)
             self.counters["leases_reissued"] += 1
-        self.counters[f"actors_{why.replace('-', '_')}"] += 1
+        self.counters[ACTORS_DROPPED[why]] += 1
         log.info("actor %s removed (%s)", client_id, why)
 
     def hand_back(self, client_id: str, lease_ids: list[int]) -> None:
@@ -317,7 +327,9 @@ class BrokerState:
         return ""
 
     # --------------------------------------------------------------- batches
-    def batch(self, model: str, rank: int, world_size: int, version: int) -> BatchShard | NoBatch:
+    def batch(
+        self, model: str, rank: int, world_size: int, version: int, now: float
+    ) -> BatchShard | NoBatch:
         self.versions[model] = max(self.versions[model], version)
         if version >= self.cfg.train.steps:
             return NoBatch(retry_after_s=0.0, reason="train.steps reached", done=True)
@@ -328,7 +340,7 @@ class BrokerState:
                 self.source.requeue(part.task)
         batch = buf.batch_for(version, world_size)
         if batch is None:
-            stale = rank == 0 and bool(self._stale_actors(model, version, time.monotonic()))
+            stale = rank == 0 and bool(self.weights.stale_actors(model, version, now))
             return NoBatch(
                 retry_after_s=0.05,
                 reason=f"{len(buf.slices)}/{buf.batch_groups} groups buffered",
@@ -340,9 +352,9 @@ class BrokerState:
                 f"learner of {model} asks with world size {world_size}, batch was cut for "
                 f"{len(batch.shards)}",
             )
-        if rank == 0 and not batch.stats.get("_sent"):
-            batch.stats["_sent"] = 1.0
-            self.metrics.add(version + 1, {k: v for k, v in batch.stats.items() if k != "_sent"})
+        if rank == 0 and not batch.stats_reported:  # once, however often rank 0 asks
+            batch.stats_reported = True
+            self.metrics.add(version + 1, batch.stats)
         return batch.shards[rank]
 
     def step_report(self, model: str, version: int, metrics: dict[str, float]) -> None:
@@ -361,103 +373,6 @@ class BrokerState:
             self.counters[f"skipped_steps/{model}"] += int(skipped)
         self.metrics.report(version, model, "step", metrics, dict(self.counters))
         self._schedule_eval()
-
-    # --------------------------------------------------------------- weights
-    def _stale_actors(self, model: str, version: int, now: float) -> list[str]:
-        """Actors holding weights older than `version` while no publish of `model` is in
-        flight (a failed sync, or an actor that attached mid-run): they need a re-publish."""
-        if now < self.publishing.get(model, 0.0):
-            return []
-        return sorted(
-            a.client_id
-            for a in self.table.actors.values()
-            if model in a.models and a.versions.get(model, 0) < version
-        )
-
-    def publish_plan(
-        self, model: str, version: int, store_address: str, now: float | None = None
-    ) -> tuple[WeightGroupPlan, list[tuple[str, JoinWeightGroup]]]:
-        now = time.monotonic() if now is None else now
-        self._publish_seq += 1
-        if self.planned.get(model) == version:  # a re-publish: only those who lack it
-            members = self._stale_actors(model, version, now)
-            self.counters["weight_republishes"] += 1
-        else:
-            members = sorted(a.client_id for a in self.table.actors.values() if model in a.models)
-        self.planned[model] = version
-        name = f"{model}/v{version}/{self._publish_seq}"
-        timeout = self.cfg.weights.timeout_s
-        plan = WeightGroupPlan(model, version, name, members, timeout)
-        joins = [
-            (
-                cid,
-                JoinWeightGroup(
-                    model, version, name, store_address, i + 1, len(members) + 1, timeout
-                ),
-            )
-            for i, cid in enumerate(members)
-        ]
-        if members:
-            self.publishing[model] = now + timeout + self.cfg.broker.heartbeat_timeout_s
-        else:
-            self.publish_done(model, version, 0.0, ok=True)
-        return plan, joins
-
-    def publish_done(
-        self, model: str, version: int, seconds: float, ok: bool, digest: str = ""
-    ) -> None:
-        self.counters["weight_publishes" if ok else "weight_publishes_failed"] += 1
-        self.publishing.pop(model, None)
-        if ok and digest:
-            self.sent_digest[(model, version)] = digest
-            self._compare_digests(model, version)
-        if version not in self.metrics.flushed:  # a re-publish of a reported step is not
-            self.metrics.report(  # a new metrics line
-                version, model, "publish", {f"weight_sync_s/{model}": seconds}, dict(self.counters)
-            )
-
-    def weights_loaded(
-        self, client_id: str, model: str, version: int, ok: bool, digest: str = ""
-    ) -> None:
-        actor = self.table.actors.get(client_id)
-        if actor is not None and ok:
-            actor.versions[model] = max(actor.versions.get(model, 0), version)
-        self.counters["weight_loads" if ok else "weight_loads_failed"] += 1
-        if ok and digest and version >= self._oldest_compared(model):
-            self.loaded_digest.setdefault((model, version), {})[client_id] = digest
-            self._compare_digests(model, version)
-        self._prune_digests(model)
-
-    def _compare_digests(self, model: str, version: int) -> None:
-        """Actors must hold bit for bit what the learner sent (counted, logged)."""
-        sent = self.sent_digest.get((model, version))
-        if sent is None:
-            return
-        for actor, got in self.loaded_digest.pop((model, version), {}).items():
-            if got == sent:
-                self.counters["weight_digest_match"] += 1
-            else:
-                self.counters["weight_digest_mismatch"] += 1
-                log.error(
-                    "%s holds %s v%d with digest %s, learner sent %s",
-                    actor,
-                    model,
-                    version,
-                    got,
-                    sent,
-                )
-        self._prune_digests(model)
-
-    def _oldest_compared(self, model: str) -> int:
-        """Digests of versions older than this are not compared (late loads are counted as
-        loads only): with the actors' count, this bounds both digest maps."""
-        return max(self.planned.get(model, 0), self.versions.get(model, 0)) - 2
-
-    def _prune_digests(self, model: str) -> None:
-        oldest = self._oldest_compared(model)
-        for table in (self.sent_digest, self.loaded_digest):
-            for key in [k for k in table if k[0] == model and k[1] < oldest]:
-                del table[key]
 
     # ------------------------------------------------------------ validation
     def _schedule_eval(self) -> None:

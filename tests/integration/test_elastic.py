@@ -83,11 +83,11 @@ def test_an_actor_attached_mid_run_gets_weights_before_leases() -> None:
     refused = st.lease("late", 4, {"solver": 0, "verifier": 0}, 0.0)
     assert refused.leases == [] and "solver v0 < v2" in refused.reason
     # the learner, idle at v2, is told to re-publish to the stale actor ...
-    reply = st.batch("solver", 0, 1, 2)
+    reply = st.batch("solver", 0, 1, 2, 0.0)
     assert isinstance(reply, NoBatch) and reply.republish
-    plan, joins = st.publish_plan("solver", 2, "127.0.0.1:1", now=0.0)
+    plan, joins = st.weights.plan("solver", 2, "127.0.0.1:1", now=0.0)
     assert "late" in plan.members and "late" in [cid for cid, _ in joins]
-    st.weights_loaded("late", "solver", 2, ok=True)
+    st.weights.loaded("late", "solver", 2, ok=True)
     # ... and only once the actor holds v2 does it get leases
     assert st.lease("late", 1, {"solver": 2, "verifier": 0}, 0.0).leases
     assert st.counters["actors_synced_on_attach"] == 1

@@ -184,7 +184,7 @@ def test_any_message_sequence_keeps_the_broker_alive_counted_and_bounded(
             assert st_.lease_accounting()["balanced"] == 1
             assert len(st_.learners) <= len(MODELS) * 3
             assert len(st_.table.actors) <= len(IDS)
-            assert len(st_.loaded_digest) <= 3 * len(MODELS)
+            assert len(st_.weights.loaded_digest) <= 3 * len(MODELS)
             assert len(st_.metrics.pending) <= cfg.train.steps + 2
             assert len(st_.eval_queue) <= cfg.val.num_tasks * (cfg.train.steps // 2 + 1)
             assert all(0 <= v <= cfg.train.steps for v in st_.versions.values())

@@ -140,7 +140,7 @@ def test_a_batch_cut_for_another_world_size_is_refused_not_fatal(server: BrokerS
     assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
     for lease in st.lease("a", 2, {}, time.monotonic()).leases:
         assert st.accept("a", result(lease), time.monotonic()) == ""
-    assert st.batch("solver", 0, 2, 0).rank == 0  # cut for two ranks
+    assert st.batch("solver", 0, 2, 0, 0.0).rank == 0  # cut for two ranks
     learner = Peer(server, "L")  # a restarted group of one rank asks for it
     assert isinstance(learner.hello("learner", ["solver"]), Welcome)
     assert refused(learner.ask(BatchRequest("L", "solver", 0, 1, 0)), "invalid")
@@ -229,11 +229,11 @@ def test_weight_digests_are_kept_for_live_versions_only(server: BrokerServer) ->
     assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
     for v in range(1, 40):
         st.versions["solver"] = v
-        st.publish_plan("solver", v, "127.0.0.1:1")
-        st.weights_loaded("a", "solver", v, True, f"d{v}")
+        st.weights.plan("solver", v, "127.0.0.1:1", 0.0)
+        st.weights.loaded("a", "solver", v, True, f"d{v}")
         for old in range(max(0, v - 10), v):  # late loads of old versions
-            st.weights_loaded("a", "solver", old, True, "late")
-    assert len(st.loaded_digest) <= 3 and len(st.sent_digest) <= 3
+            st.weights.loaded("a", "solver", old, True, "late")
+    assert len(st.weights.loaded_digest) <= 3 and len(st.weights.sent_digest) <= 3
 
 
 def test_huge_lists_and_texts_are_refused_with_short_replies_and_logs(

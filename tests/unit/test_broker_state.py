@@ -54,7 +54,7 @@ def test_synchronous_eta0_waits_for_fresh_weights():
     for lease in first:
         assert st.accept("a", result(lease), 0.0) == ""
     for model in ("solver", "verifier"):
-        assert st.batch(model, 0, 1, 0).version == 0  # cut for version 0
+        assert st.batch(model, 0, 1, 0, 0.0).version == 0  # cut for version 0
     # batch 0 is cut: the next groups train version 1, so a v0 actor must wait
     refused = st.lease("a", 100, {"solver": 0, "verifier": 0}, 0.0)
     assert refused.leases == [] and "waiting for weights" in refused.reason
@@ -67,11 +67,11 @@ def test_batch_cut_shards_equal_counts_with_zero_weight_padding():
     st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
     for lease in st.lease("a", 2, {}, 0.0).leases:
         st.accept("a", result(lease, rewards=(1.0, 0.0, 1.0)), 0.0)
-    shards = [st.batch("solver", r, 4, 0) for r in range(4)]  # 6 solver samples over 4 ranks
+    shards = [st.batch("solver", r, 4, 0, 0.0) for r in range(4)]  # 6 solver samples over 4 ranks
     assert {len(s.samples) for s in shards} == {2}
     assert sum(sum(s.weights) for s in shards) == 6
     assert all(s.total_samples == 6 and s.total_tokens == 12 for s in shards)
-    again = st.batch("solver", 1, 4, 0)  # a retried request gets the same shard
+    again = st.batch("solver", 1, 4, 0, 0.0)  # a retried request gets the same shard
     assert again is shards[1]
 
 
@@ -81,7 +81,7 @@ def test_stale_groups_are_dropped_counted_and_requeued():
     leases = st.lease("a", 2, {}, 0.0).leases
     for lease in leases:
         st.accept("a", result(lease, version=0), 0.0)
-    reply = st.batch("solver", 0, 1, 1)  # learner already at version 1: v0 data is stale
+    reply = st.batch("solver", 0, 1, 1, 0.0)  # learner already at version 1: v0 data is stale
     assert isinstance(reply, NoBatch)
     assert st.counters["dropped_stale_groups"] == 2
     assert st.source.next_task().task_id in {lease.task.task_id for lease in leases}
@@ -111,12 +111,12 @@ def test_every_accepted_group_is_trained_once_per_model():
         for lease in leases:
             st.accept("a", result(lease, version=version), 0.0)
         for model in ("solver", "verifier"):
-            assert st.batch(model, 0, 1, version).version == version
+            assert st.batch(model, 0, 1, version, 0.0).version == version
             st.step_report(model, version + 1, {})
     assert st.counters["groups_trained_twice"] == 0
     assert st.trained_groups["solver"] == st.trained_groups["verifier"] == st.accepted_groups
     assert len(st.accepted_groups) == 4 and st.train_done
-    assert st.batch("solver", 0, 1, 2).done
+    assert st.batch("solver", 0, 1, 2, 0.0).done
 
 
 def test_actor_must_serve_every_model():
@@ -130,7 +130,7 @@ def test_group_advantages_reach_the_samples(mode):
     st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
     for lease in st.lease("a", 2, {}, 0.0).leases:
         st.accept("a", result(lease, rewards=(1.0, 0.0)), 0.0)
-    shard = st.batch("solver", 0, 1, 0)
+    shard = st.batch("solver", 0, 1, 0, 0.0)
     # rewards (1, 0) in each group: unbiased std = 0.7071, advantages ±0.7071
     assert sorted(round(s.advantage, 4) for s in shard.samples) == [
         -0.7071,
@@ -146,22 +146,22 @@ def test_actors_behind_the_learner_get_a_republish_of_its_version():
     st.add_actor("a", "h", 1, ["solver", "verifier"], now)
     st.versions["solver"] = 4
     st.seen("a", now, {"solver": 2, "verifier": 4})  # its sync of v3 and v4 failed
-    reply = st.batch("solver", 0, 1, 4)
+    reply = st.batch("solver", 0, 1, 4, now)
     assert isinstance(reply, NoBatch) and reply.republish
-    plan, joins = st.publish_plan(
+    plan, joins = st.weights.plan(
         "solver", 4, "h:1", now=time.monotonic()
     )  # first plan of v4: everyone
     assert plan.members == ["a"] and joins[0][1].rank == 1
-    assert not st.batch("solver", 0, 1, 4).republish  # a publish is in flight
-    st.publish_done("solver", 4, 0.1, ok=False)
-    assert st.batch("solver", 0, 1, 4).republish  # it failed: ask again
-    plan, _ = st.publish_plan(
+    assert not st.batch("solver", 0, 1, 4, now).republish  # a publish is in flight
+    st.weights.done("solver", 4, 0.1, ok=False)
+    assert st.batch("solver", 0, 1, 4, now).republish  # it failed: ask again
+    plan, _ = st.weights.plan(
         "solver", 4, "h:1", now=time.monotonic()
     )  # a re-plan: only stale actors
     assert plan.members == ["a"] and st.counters["weight_republishes"] == 1
-    st.weights_loaded("a", "solver", 4, ok=True)
-    st.publish_done("solver", 4, 0.1, ok=True)
-    assert not st.batch("solver", 0, 1, 4).republish
+    st.weights.loaded("a", "solver", 4, ok=True)
+    st.weights.done("solver", 4, 0.1, ok=True)
+    assert not st.batch("solver", 0, 1, 4, now).republish
 
 
 def test_split_group_spans_give_back_each_models_steps_and_scores():
@@ -296,7 +296,7 @@ def test_a_model_called_in_few_episodes_still_gets_all_its_batches():
                 st.accept("a", pack_group("a", lease.lease_id, lease.group_id, episodes), 0.0) == ""
             )
         for m in models:
-            reply = st.batch(m, 0, 1, versions[m])
+            reply = st.batch(m, 0, 1, versions[m], 0.0)
             if not isinstance(reply, NoBatch):
                 versions[m] += 1
                 st.step_report(m, versions[m], {})

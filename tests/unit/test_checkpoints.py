@@ -110,7 +110,7 @@ def train_one_step(st: BrokerState, version: int) -> list[str]:
     for lease in leases:
         assert st.accept("a", result(lease, version), 0.0) == ""
     for model in ("solver", "verifier"):
-        st.batch(model, 0, 1, version)
+        st.batch(model, 0, 1, version, 0.0)
         st.step_report(model, version + 1, {})
     return [lease.task.task_id for lease in leases]
 

@@ -1,0 +1,139 @@
+"""Weight publishing as the broker sees it: who receives which version of each model, and
+whether they hold it bit for bit. Weights never pass through here (learner rank 0 sends
+them over torch.distributed, drmas/transports/weights.py); this plans the groups and
+keeps the books.
+
+Owned by BrokerState (drmas/broker/state.py), which hands it the actor registry, the
+models' versions, the counters and the metrics (shared, never copied). Touched only by
+three messages, each checked by the gate first: PublishRequest (`plan`), PublishDone
+(`done`) and WeightsLoaded (`loaded`); `stale_actors` tells a learner's BatchRequest
+whether to re-publish.
+
+Bounded: digests are kept for the last three versions of each model only.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import TYPE_CHECKING
+
+from drmas.broker.leases import ActorRecord
+from drmas.protocol.messages import JoinWeightGroup, WeightGroupPlan
+
+if TYPE_CHECKING:
+    from drmas.broker.metrics import StepMetrics
+    from drmas.launch.config import DrmasConfig
+
+log = logging.getLogger("drmas.broker")
+
+
+class WeightPublishing:
+    def __init__(
+        self,
+        cfg: DrmasConfig,
+        actors: dict[str, ActorRecord],
+        versions: dict[str, int],
+        counters: collections.Counter[str],
+        metrics: StepMetrics,
+    ) -> None:
+        self.cfg = cfg
+        self.actors = actors
+        self.versions = versions
+        self.counters = counters
+        self.metrics = metrics
+        self.planned: dict[str, int] = {}  # model -> version of its last weight-group plan
+        self.in_flight: dict[str, float] = {}  # model -> deadline of the publish in flight
+        # (model, version) -> the learner's fingerprint / each actor's, until compared
+        self.sent_digest: dict[tuple[str, int], str] = {}
+        self.loaded_digest: dict[tuple[str, int], dict[str, str]] = {}
+        self._seq = 0
+
+    def stale_actors(self, model: str, version: int, now: float) -> list[str]:
+        """Actors holding weights older than `version` while no publish of `model` is in
+        flight (a failed sync, or an actor that attached mid-run): they need a re-publish."""
+        if now < self.in_flight.get(model, 0.0):
+            return []
+        return sorted(
+            a.client_id
+            for a in self.actors.values()
+            if model in a.models and a.versions.get(model, 0) < version
+        )
+
+    def plan(
+        self, model: str, version: int, store_address: str, now: float
+    ) -> tuple[WeightGroupPlan, list[tuple[str, JoinWeightGroup]]]:
+        """The group for one publish: every actor serving `model`, or on a re-publish of
+        the same version only those that lack it. Returns the plan for the learner and
+        the join for each member."""
+        self._seq += 1
+        if self.planned.get(model) == version:
+            members = self.stale_actors(model, version, now)
+            self.counters["weight_republishes"] += 1
+        else:
+            members = sorted(a.client_id for a in self.actors.values() if model in a.models)
+        self.planned[model] = version
+        name = f"{model}/v{version}/{self._seq}"
+        timeout = self.cfg.weights.timeout_s
+        size = len(members) + 1
+        joins = [
+            (cid, JoinWeightGroup(model, version, name, store_address, i + 1, size, timeout))
+            for i, cid in enumerate(members)
+        ]
+        if members:
+            self.in_flight[model] = now + timeout + self.cfg.broker.heartbeat_timeout_s
+        else:
+            self.done(model, version, 0.0, ok=True)
+        return WeightGroupPlan(model, version, name, members, timeout), joins
+
+    def done(self, model: str, version: int, seconds: float, ok: bool, digest: str = "") -> None:
+        self.counters["weight_publishes" if ok else "weight_publishes_failed"] += 1
+        self.in_flight.pop(model, None)
+        if ok and digest:
+            self.sent_digest[(model, version)] = digest
+            self._compare(model, version)
+        if version not in self.metrics.flushed:  # a re-publish of a reported step is not
+            self.metrics.report(  # a new metrics line
+                version, model, "publish", {f"weight_sync_s/{model}": seconds}, dict(self.counters)
+            )
+
+    def loaded(self, client_id: str, model: str, version: int, ok: bool, digest: str = "") -> None:
+        actor = self.actors.get(client_id)
+        if actor is not None and ok:
+            actor.versions[model] = max(actor.versions.get(model, 0), version)
+        self.counters["weight_loads" if ok else "weight_loads_failed"] += 1
+        if ok and digest and version >= self._oldest_compared(model):
+            self.loaded_digest.setdefault((model, version), {})[client_id] = digest
+            self._compare(model, version)
+        self._prune(model)
+
+    def _compare(self, model: str, version: int) -> None:
+        """Actors must hold bit for bit what the learner sent (counted, logged)."""
+        sent = self.sent_digest.get((model, version))
+        if sent is None:
+            return
+        for actor, got in self.loaded_digest.pop((model, version), {}).items():
+            if got == sent:
+                self.counters["weight_digest_match"] += 1
+            else:
+                self.counters["weight_digest_mismatch"] += 1
+                log.error(
+                    "%s holds %s v%d with digest %s, learner sent %s",
+                    actor,
+                    model,
+                    version,
+                    got,
+                    sent,
+                )
+        self._prune(model)
+
+    def _oldest_compared(self, model: str) -> int:
+        """Digests of versions older than this are not compared (late loads are counted as
+        loads only): with the actors' count, this bounds both digest maps."""
+        return max(self.planned.get(model, 0), self.versions.get(model, 0)) - 2
+
+    def _prune(self, model: str) -> None:
+        oldest = self._oldest_compared(model)
+        for table in (self.sent_digest, self.loaded_digest):
+            for key in [k for k in table if k[0] == model and k[1] < oldest]:
+                del table[key]
