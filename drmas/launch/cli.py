@@ -11,6 +11,7 @@
     drmas keys    DIR [--clients a,b]         CURVE key pairs for broker and clients
     drmas data    math|search FILE... --out F downloaded datasets -> drmas task JSONL
     drmas report  RUN_DIR... --out DIR        plots and gradient-spike statistics of runs
+    drmas config  [GROUP] [overrides]         the resolved config, or one group of it
 
 Overrides use hydra syntax (`train.steps=10 experiment=tiny_math_shared`). `--config`
 loads a resolved RUN_DIR/config.yaml instead of composing configs/.
@@ -32,8 +33,15 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="drmas", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
+    from drmas.launch.config import DrmasConfig  # no torch: --help stays instant
+    from drmas.launch.schema import options_help
+
+    epilog = options_help(DrmasConfig)
+
     def role(name: str, help_: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_)
+        sp = sub.add_parser(
+            name, help=help_, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         sp.add_argument("overrides", nargs="*", help="hydra overrides, e.g. train.steps=10")
         sp.add_argument(
             "--config", help="a resolved RUN_DIR/config.yaml to load instead of configs/"
@@ -53,6 +61,16 @@ def _parser() -> argparse.ArgumentParser:
         "measure each agent's gradient second moment under global baselines vs agent-wise "
         "advantages (probe.rewards='{agent: [mean, std], ...}' for synthetic scores)",
     )
+    show = sub.add_parser(
+        "config",
+        help="print the resolved config (all of it, or one group such as algorithm)",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    show.add_argument("group", nargs="?", default="", help="a dotted key, e.g. algorithm.loss")
+    show.add_argument("overrides", nargs="*", help="hydra overrides, e.g. experiment=search_tiny")
+    show.add_argument("--config", help="a resolved RUN_DIR/config.yaml instead of configs/")
+    show.add_argument("--docs", action="store_true", help="each key with its one-line doc")
     status = sub.add_parser("status", help="show actors, versions and counters of a running broker")
     status.add_argument("address", help="broker address, e.g. tcp://127.0.0.1:5555")
     status.add_argument("--json", action="store_true", help="print JSON")
@@ -179,6 +197,22 @@ def _keys(folder: str, clients: str, *, force: bool) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace) -> int:
+    from drmas.launch.config import ConfigError, load_config
+    from drmas.launch.schema import config_text
+
+    group, overrides = args.group, list(args.overrides)
+    if "=" in group:  # `drmas config key=value`: an override, no group
+        group, overrides = "", [group, *overrides]
+    try:
+        cfg = load_config(overrides, args.config)
+        print(config_text(cfg, group, docs=args.docs), end="")
+    except (ConfigError, KeyError) as exc:
+        print(f"drmas config: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _logging(role: str) -> None:
     logging.basicConfig(
         level=os.environ.get("DRMAS_LOG_LEVEL", "INFO"),
@@ -208,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from drmas.launch.config import ConfigError, load_config
 
+    if args.command == "config":
+        return _config(args)
     _logging(args.command if args.command != "actor" else f"actor[{args.id}]")
     try:
         cfg = load_config(args.overrides, args.config)
@@ -217,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         from drmas.launch.train import train
 
-        return train(cfg)
+        return train(cfg, args.overrides)
     if args.command == "prepare":
         from drmas.launch.train import prepare_run
 
@@ -238,6 +274,16 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, ValueError) as exc:
             print(f"drmas probe: {exc}", file=sys.stderr)
             return 2
+    unresolved = sorted(m for m, mc in cfg.models.items() if mc.path.startswith("builtin:"))
+    if unresolved and args.config is None and args.command in ("broker", "actor", "learner"):
+        print(
+            f"drmas {args.command}: models {unresolved} are builtin: models, which `drmas "
+            "train` or `drmas prepare` builds once per run; start this role with --config "
+            "RUN_DIR/config.yaml (written by `drmas prepare`), or set models.<name>.path to "
+            "a checkpoint folder",
+            file=sys.stderr,
+        )
+        return 2
     from drmas.transports.security import SecurityError
 
     try:

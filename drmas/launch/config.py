@@ -197,9 +197,19 @@ def check(cfg: DrmasConfig) -> None:
         "weights.backend": (cfg.weights.backend, ("auto", "gloo", "nccl")),
         "placement.share": (cfg.placement.share, SHARE_MODES),
     }
+    for pool_name, pool in cfg.actor.pools.items():  # every pool, not only the default one
+        prefix = f"actor.pools.{pool_name}"
+        choices[f"{prefix}.name"] = (pool.name, get_args(EngineName))
+        choices[f"{prefix}.device"] = (pool.device, device)
+        choices[f"{prefix}.dtype"] = (pool.dtype, ("float32", "bfloat16", "float16"))
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+    from drmas.launch.schema import literal_problems
+
+    literals = literal_problems(cfg)  # every Literal-typed field, wherever it is
+    if literals:
+        raise ConfigError("; ".join(literals))
     for model_name, model_cfg in cfg.models.items():
         if model_cfg.dtype:
             raise ConfigError(
@@ -347,6 +357,11 @@ def load_config(overrides: list[str], config_file: str | None = None) -> DrmasCo
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from drmas.launch.schema import check_overrides
+
+    problem = check_overrides(overrides, DrmasConfig, _FREE_MAPPINGS)
+    if problem:  # before hydra: its own advice for a typo is to add it with `+`
+        raise ConfigError(problem)
     register()
     GlobalHydra.instance().clear()
     try:

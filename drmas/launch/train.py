@@ -11,9 +11,9 @@ brings everything down (its log tail is printed), and the launcher then names th
 checkpoints a `drmas train run.resume=RUN_DIR` would continue from. Ctrl-C stops all
 children cleanly.
 
-Resume: `drmas train run.resume=RUN_DIR` continues in RUN_DIR with the run's own
-config.yaml (to change settings on resume: `drmas train --config RUN_DIR/config.yaml
-run.resume=RUN_DIR key=value`). The broker restores its state and chooses each model's
+Resume: `drmas train run.resume=RUN_DIR [key=value ...]` continues in RUN_DIR with the
+run's own config.yaml, the command line's overrides applied on top (a finished run says
+so and how to extend it). The broker restores its state and chooses each model's
 checkpoint (drmas/checkpoints/broker_state.py), the learners load it, and the actors,
 which start from the model folders, get the resumed weights by the broker's re-publish
 (the same path as an actor that attaches mid-run; the digest check covers it).
@@ -124,10 +124,13 @@ def start_children(
         sup.start(f"actor-{i}", "actor", [*cli, "actor", *config, "--id", f"actor-{i}"], env)
 
 
-def resumed_config(cfg: DrmasConfig) -> DrmasConfig:
+def resumed_config(cfg: DrmasConfig, overrides: list[str] | None = None) -> DrmasConfig:
     """The config of a resumed run: RUN_DIR/config.yaml (unless `cfg` was loaded from it,
-    with --config), continuing in RUN_DIR, with a fresh broker port if the port was free."""
-    from drmas.launch.config import load_config
+    with --config) with this command line's `overrides` applied on top, continuing in
+    RUN_DIR, with a fresh broker port if the port was free. A config group (experiment=,
+    deploy=) cannot be changed on a saved config: ConfigError says what to run instead."""
+    from drmas.launch.config import ConfigError, load_config
+    from drmas.launch.schema import GROUPS
 
     run_dir = Path(cfg.run.resume).resolve()
     saved = run_dir / "config.yaml"
@@ -135,16 +138,19 @@ def resumed_config(cfg: DrmasConfig) -> DrmasConfig:
         raise FileNotFoundError(f"run.resume={cfg.run.resume}: {saved} does not exist")
     base = cfg
     if not cfg.run.dir or Path(cfg.run.dir).resolve() != run_dir:
-        base = load_config([], str(saved))
-        differ = _differences(cfg, base)
-        if differ:
-            print(
-                f"drmas train: resuming with {saved}, the run's own config; what this "
-                f"command line would set differently is not used: {', '.join(differ[:12])}"
-                f"{' ...' if len(differ) > 12 else ''} (to change settings on resume: drmas "
-                f"train --config {saved} run.resume={run_dir} key=value)",
-                file=sys.stderr,
+        mine = [
+            o for o in overrides or [] if not o.lstrip("+~").startswith(("run.resume=", "run.dir="))
+        ]
+        groups = [o for o in mine if o.split("=", 1)[0].lstrip("+~") in GROUPS]
+        if groups:
+            raise ConfigError(
+                f"{', '.join(groups)} cannot change when resuming {run_dir}: its config is "
+                f"saved in {saved}; start a new run, or edit a copy of that file and pass it "
+                f"with --config COPY run.resume={run_dir}"
             )
+        base = load_config(mine, str(saved))  # the run's config, this command's overrides
+        if mine:
+            print(f"drmas train: resuming {run_dir} with {' '.join(mine)}", file=sys.stderr)
     address = base.broker.address
     if cfg.broker.address.endswith(":0"):
         address = f"{address.rsplit(':', 1)[0]}:0"
@@ -152,6 +158,27 @@ def resumed_config(cfg: DrmasConfig) -> DrmasConfig:
         base,
         run=dataclasses.replace(base.run, dir=str(run_dir), resume=str(run_dir)),
         broker=dataclasses.replace(base.broker, address=address),
+    )
+
+
+def finished_message(cfg: DrmasConfig, run_dir: Path) -> str:
+    """ "" unless every model of the run being resumed is already at train.steps: then
+    what to run to train it further."""
+    from drmas.checkpoints import broker_state, store
+
+    root = store.root_for(run_dir, cfg.checkpoint.dir)
+    try:
+        snap = broker_state.read_snapshot(root / store.BROKER_STATE)
+        versions = broker_state.choose_versions(snap, root, sorted(cfg.models))
+    except (OSError, ValueError):
+        return ""  # nothing to read: the resume itself will say why
+    if min(versions.values(), default=0) < cfg.train.steps:
+        return ""
+    held = ", ".join(f"{m} v{v}" for m, v in versions.items())
+    return (
+        f"drmas train: {run_dir} is finished: every model reached train.steps="
+        f"{cfg.train.steps} ({held}). To train it further: drmas train run.resume={run_dir} "
+        f"train.steps={cfg.train.steps + max(1, cfg.train.steps)}"
     )
 
 
@@ -175,27 +202,16 @@ def resume_hint(cfg: DrmasConfig, run_dir: Path) -> str:
     )
 
 
-def _differences(a: DrmasConfig, b: DrmasConfig) -> list[str]:
-    def flat(x: object, prefix: str = "") -> dict[str, object]:
-        if dataclasses.is_dataclass(x):
-            x = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
-        if isinstance(x, dict):
-            return {k: v for key, val in x.items() for k, v in flat(val, f"{prefix}{key}.").items()}
-        return {prefix.rstrip("."): x}
-
-    fa, fb = flat(a), flat(b)
-    skip = ("run.", "broker.address", "security.keys_dir")  # resolved by prepare_run
-    return sorted(
-        k for k in fa.keys() | fb.keys()
-        if fa.get(k) != fb.get(k) and not k.startswith(skip) and not k.endswith(".path")
-    )  # fmt: skip
-
-
-def train(cfg: DrmasConfig) -> int:
+def train(cfg: DrmasConfig, overrides: list[str] | None = None) -> int:
+    """`overrides`: the command line's, applied on top of a resumed run's saved config."""
     started = time.monotonic()
     try:
         if cfg.run.resume:
-            cfg = resumed_config(cfg)
+            cfg = resumed_config(cfg, overrides)
+            finished = finished_message(cfg, Path(cfg.run.dir))
+            if finished:
+                print(finished, file=sys.stderr)
+                return 0
         cfg, run_dir, placement = prepare_run(cfg)
     except (FileNotFoundError, ValueError) as exc:  # a bad model path: nothing started yet
         print(f"drmas train: {exc}", file=sys.stderr)

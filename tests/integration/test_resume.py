@@ -121,6 +121,10 @@ def test_kill_a_learner_then_resume(tmp_path: Path, model_cache: Path) -> None:
     assert cursor[1] > 0
     assert sorted(json.loads(resumed.group(4))) == sorted(set(not_held))  # only those return
 
+    finished = drmas("train", f"run.resume={run_dir}", timeout=120)  # nothing left to do
+    assert finished.returncode == 0 and "is finished" in finished.stderr, finished.stderr
+    assert f"train.steps={2 * STEPS}" in finished.stderr  # and how to extend it
+
     lines = read_metrics(run_dir)
     train_steps = [x["step"] for x in lines if "val/tasks" not in x]
     assert train_steps == list(range(1, STEPS + 1))  # appended, increasing, nothing twice

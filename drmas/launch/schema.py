@@ -1,0 +1,234 @@
+"""The config schema as a user meets it: which override keys exist (with the nearest ones
+for a typo) and the one-line doc of each option, read from the field docstrings of the
+typed config dataclasses (drmas/launch/config.py and each component's config.py).
+
+Used by `load_config` (every key of every override is checked before hydra sees it, so a
+typo given with `+` is refused too instead of being dropped) and by `drmas train --help`
+and `drmas config`. No torch import.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import re
+import textwrap
+import typing
+from functools import cache
+from typing import Any
+
+MAIN_OPTIONS = (
+    "experiment",
+    "train.steps",
+    "group_size",
+    "batch_groups",
+    "algorithm.advantage.mode",
+    "algorithm.max_staleness",
+    "models.<name>.path",
+    "models.<name>.lr",
+    "models.<name>.precision",
+    "actor.num_actors",
+    "actor.engine.name",
+    "actor.engine.device",
+    "learner.device",
+    "val.every",
+    "val.n",
+    "val.k",
+    "run.dir",
+    "run.resume",
+    "broker.address",
+    "security.curve",
+    "checkpoint.every",
+)
+"""Shown by `drmas train --help`; `drmas config` prints everything."""
+
+GROUPS = ("experiment", "deploy")
+"""Config groups under configs/ (chosen by name, not keys of the schema)."""
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring written under it in the dataclass body (first line)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for node, after in zip(body, [*body[1:], None], strict=True):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _value_type(tp: Any) -> tuple[str, Any]:
+    """("dataclass", cls) | ("mapping", value type) | ("leaf", tp)."""
+    if dataclasses.is_dataclass(tp):
+        return "dataclass", tp
+    if typing.get_origin(tp) is dict:
+        return "mapping", typing.get_args(tp)[1]
+    return "leaf", tp
+
+
+def unknown_key(key: str, root: type) -> str:
+    """ "" if `key` (dotted) names an option of `root`, else why not, with the nearest keys."""
+    kind, node = "dataclass", root
+    path: list[str] = []
+    for part in key.split("."):
+        if kind == "leaf":
+            return f"{'.'.join(path)} is a value, not a group: {key} is not a config key"
+        if kind == "mapping":  # a free name (models.<name>, agents.<name>, ...)
+            kind, node = _value_type(node)
+            path.append(part)
+            continue
+        names = [f.name for f in dataclasses.fields(node)]
+        if part not in names:
+            where = ".".join(path) or "the top level"
+            near = difflib.get_close_matches(part, names, n=3, cutoff=0.5)
+            prefix = ".".join(path) + "." if path else ""
+            hint = f"; did you mean {' or '.join(prefix + n for n in near)}?" if near else ""
+            return (
+                f"{key} is not a config key{hint} (keys of {where}: {', '.join(names)}; "
+                "`drmas config` prints them all)"
+            )
+        kind, node = _value_type(_hints(node)[part])
+        path.append(part)
+    return ""
+
+
+def check_overrides(overrides: list[str], root: type, free: tuple[str, ...] = ()) -> str:
+    """The first problem with an override's key ("" if none). `+key`, `++key` and `~key`
+    are checked like `key`; config groups and `hydra.*` are left to hydra; keys under a
+    free-form mapping in `free` (e.g. probe.rewards) may be anything."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~").strip()
+        if not key or key in GROUPS or key.startswith("hydra"):
+            continue
+        if any(key == f or key.startswith(f + ".") for f in free):
+            continue
+        problem = unknown_key(key, root)
+        if problem:
+            return problem
+    return ""
+
+
+def option_doc(key: str, root: type) -> str:
+    """One-line doc of a dotted option (models.<name>.lr style allowed), or ""."""
+    if key in GROUPS:
+        return {
+            "experiment": "which team and task: tiny_math (default), tiny_math_shared, "
+            "tiny_math_hetero, search_tiny, math, search",
+            "deploy": "where the roles run: local (default), multinode, slurm",
+        }[key]
+    kind, node, doc = "dataclass", root, ""
+    for part in key.split("."):
+        if kind == "mapping":
+            kind, node = _value_type(node)  # any name of a mapping
+            continue
+        if kind != "dataclass":
+            return ""
+        doc = field_docs(node).get(part, "")
+        hints = _hints(node)
+        if part not in hints:
+            return ""
+        kind, node = _value_type(hints[part])
+    return doc
+
+
+def _first_sentence(doc: str, limit: int = 170) -> str:
+    first = re.split(r"(?<!Dr)\.\s+(?=[A-Z])", doc)[0].split(": - ")[0].rstrip(":;, ")
+    first = first if first.endswith(".") or not first else first + "."
+    return first if len(first) <= limit else first[: limit - 3].rstrip() + "..."
+
+
+def options_help(root: type, keys: tuple[str, ...] = MAIN_OPTIONS, width: int = 88) -> str:
+    """The main options with their docs, for an argparse epilog."""
+    lines = ["main options (hydra overrides, KEY=VALUE; `drmas config` prints every key):"]
+    pad = max(len(k) for k in keys) + 2
+    for key in keys:
+        doc = _first_sentence(option_doc(key, root))
+        wrapped = textwrap.wrap(doc, width - pad - 2) or [""]
+        lines.append(f"  {key:<{pad}}{wrapped[0]}")
+        lines += [f"  {'':<{pad}}{more}" for more in wrapped[1:]]
+    return "\n".join(lines)
+
+
+def config_text(cfg: Any, group: str = "", *, docs: bool = False) -> str:
+    """YAML of the resolved config or of one dotted group; with docs, one `key: value  #
+    doc` line per option instead."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(cfg)
+    if group:
+        problem = unknown_key(group, type(cfg))
+        if problem:
+            raise KeyError(problem)
+        node = OmegaConf.select(node, group)
+    if not docs:
+        if not OmegaConf.is_config(node):
+            return f"{group}: {node}\n"
+        return OmegaConf.to_yaml(node)
+    plain = OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
+    lines = []
+    for key, value in _leaves(plain, group):
+        generic = ".".join(_generic_parts(key, type(cfg)))
+        doc = _first_sentence(option_doc(generic, type(cfg)))
+        lines.append(f"{key}: {value!r}" + (f"  # {doc}" if doc else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _leaves(value: Any, prefix: str) -> list[tuple[str, Any]]:
+    if isinstance(value, dict) and value:
+        return [
+            leaf for k, v in value.items() for leaf in _leaves(v, f"{prefix}.{k}" if prefix else k)
+        ]
+    return [(prefix, value)]
+
+
+def _generic_parts(key: str, root: type) -> list[str]:
+    """models.solver.lr -> [models, <name>, lr]: free names of mappings replaced."""
+    kind, node, out = "dataclass", root, []
+    for part in key.split("."):
+        if kind == "mapping":
+            out.append("<name>")
+            kind, node = _value_type(node)
+            continue
+        out.append(part)
+        if kind != "dataclass":
+            break
+        hints = _hints(node)
+        if part not in hints:
+            break
+        kind, node = _value_type(hints[part])
+    return out
+
+
+def literal_problems(cfg: Any, prefix: str = "") -> list[str]:
+    """Every field typed with a Literal whose value is not one of its choices, anywhere in
+    the config (each pool of actor.pools, each model, ...)."""
+    problems: list[str] = []
+    if not dataclasses.is_dataclass(cfg):
+        return problems
+    hints = _hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, tp, key = getattr(cfg, f.name), hints[f.name], f"{prefix}{f.name}"
+        if typing.get_origin(tp) is typing.Literal and value not in typing.get_args(tp):
+            problems.append(f"{key}={value!r} is not one of {list(typing.get_args(tp))}")
+        elif isinstance(value, dict):
+            for name, item in value.items():
+                problems += literal_problems(item, f"{key}.{name}.")
+        else:
+            problems += literal_problems(value, f"{key}.")
+    return problems

@@ -1,0 +1,76 @@
+"""The CLI explains itself: option docs in --help, `drmas config`, unknown keys refused
+with the nearest ones (also with `+`), Literal choices checked everywhere, resume
+overrides applied or refused, roles that need --config say so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from drmas.launch.cli import main as cli
+from drmas.launch.config import ConfigError, load_config, to_yaml
+from drmas.launch.train import resumed_config
+
+
+@pytest.mark.parametrize("prefix", ["", "+", "++"])
+def test_a_typo_is_refused_with_the_nearest_key(prefix: str) -> None:
+    with pytest.raises(ConfigError, match=r"did you mean algorithm\.loss\.clip_low"):
+        load_config([f"{prefix}algorithm.loss.clip_lo=0.1"])
+    with pytest.raises(ConfigError, match=r"did you mean models\.solver\.lr\b"):
+        load_config([f"{prefix}models.solver.lrr=1e-4"])
+
+
+def test_free_names_and_groups_are_not_typos() -> None:
+    cfg = load_config(["experiment=tiny_math_shared", "models.policy.lr=2e-5"])
+    assert cfg.models["policy"].lr == 2e-5
+    load_config(["probe.rewards={solver: [0, 1], verifier: [1, 0.5]}"])
+
+
+def test_literal_choices_are_checked_in_every_pool() -> None:
+    with pytest.raises(ConfigError, match=r"actor\.pools\.verifier\.name='vlm'"):
+        load_config(["+actor.pools={verifier: {name: vlm}}"])
+    with pytest.raises(ConfigError, match=r"actor\.pools\.verifier\.pause_mode='nope'"):
+        load_config(["+actor.pools={verifier: {name: sim, pause_mode: nope}}"])
+
+
+def test_help_lists_the_main_options_with_their_docs(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        cli(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "algorithm.advantage.mode" in out and "agent = Dr. MAS (default)" in out
+    assert "train.steps" in out and "val.every" in out
+
+
+def test_drmas_config_prints_the_resolved_config(capsys: pytest.CaptureFixture) -> None:
+    assert cli(["config", "algorithm.loss", "algorithm.loss.clip_low=0.1"]) == 0
+    assert "clip_low: 0.1" in capsys.readouterr().out
+    assert cli(["config", "val", "experiment=search_tiny", "--docs"]) == 0
+    out = capsys.readouterr().out
+    assert "val.n: 2  # Samples per task." in out
+    assert cli(["config", "algorithm.los"]) == 2
+    assert "did you mean algorithm.loss" in capsys.readouterr().err
+
+
+def _saved_run(tmp_path: Path, *overrides: str) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config([f"run.dir={run}", *overrides])
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    return run
+
+
+def test_resume_applies_the_command_lines_overrides_on_the_saved_config(tmp_path: Path) -> None:
+    run = _saved_run(tmp_path, "train.steps=4", "group_size=4")
+    args = [f"run.resume={run}", "train.steps=6"]
+    cfg = resumed_config(load_config(args), args)
+    assert (cfg.train.steps, cfg.group_size) == (6, 4)  # the override, and the run's own
+    args = [f"run.resume={run}", "experiment=search_tiny"]
+    with pytest.raises(ConfigError, match="cannot change when resuming"):
+        resumed_config(load_config(args), args)
+
+
+def test_a_role_without_config_says_which_flag_it_needs(capsys: pytest.CaptureFixture) -> None:
+    assert cli(["actor", "broker.address=tcp://127.0.0.1:5555"]) == 2
+    err = capsys.readouterr().err
+    assert "--config RUN_DIR/config.yaml" in err and "Repo id" not in err
