@@ -175,17 +175,103 @@ def summarize() -> dict:
             rs = [r for r in mine if r["mode"] == mode]
             modes[mode] = {k: mean_ci([r["final"][k] for r in rs if k in r["final"]]) for k in keys}
             modes[mode]["seeds"] = sorted(r["seed"] for r in rs)
-        paired = {}
+            modes[mode]["wall_s"] = mean_ci([r["wall_s"] for r in rs])
+            modes[mode]["spikes"] = _spikes(rs)
         by = {(r["mode"], r["seed"]): r for r in mine}
+        seeds = sorted(s for (m, s) in by if m == "agent" and ("global", s) in by)
+        paired = {}
         for k in keys:
-            diffs = [by[("agent", s)]["final"][k] - by[("global", s)]["final"][k]
-                     for (m, s) in by if m == "agent" and ("global", s) in by]  # fmt: skip
-            ci = mean_ci(diffs)
-            lo, hi = ci["lo"], ci["hi"]
-            ci["significant"] = lo is not None and hi is not None and (lo > 0 or hi < 0)
-            paired[k] = ci
-        out["groups"][group] = {"modes": modes, "agent_minus_global": paired}
+            paired[k] = _significant(mean_ci(
+                [by[("agent", s)]["final"][k] - by[("global", s)]["final"][k] for s in seeds]))  # fmt: skip
+        # gradient spikes: agent / global ratio of each model's largest pre-clip norm, as a
+        # paired mean of log ratios over seeds (exp of the mean and of its interval)
+        for unit in sorted({u for r in mine for u in r["spikes"] if u.startswith("model ")}):
+            logs = [math.log(by[("agent", s)]["spikes"][unit]["max"]
+                             / by[("global", s)]["spikes"][unit]["max"]) for s in seeds
+                    if unit in by[("agent", s)]["spikes"] and unit in by[("global", s)]["spikes"]]  # fmt: skip
+            ci = _significant(mean_ci(logs))
+            paired[f"max_grad_norm_ratio/{unit[6:]}"] = {
+                k: (math.exp(v) if isinstance(v, float) and k in ("mean", "lo", "hi") else v)
+                for k, v in ci.items()
+            }
+        step0 = {str(r["seed"]): r["validation"][0] for r in mine
+                 if r["validation"] and r["validation"][0]["step"] == 0}  # fmt: skip
+        out["groups"][group] = {
+            "modes": modes,
+            "agent_minus_global": paired,
+            "paired_seeds": seeds,
+            "step0": step0,
+            "step0_mean": {k: mean_ci([v[k] for v in step0.values() if k in v]) for k in keys},
+        }
     (OUT / "study_summary.json").write_text(json.dumps(out, indent=2))
+    (OUT / "study_summary.md").write_text(markdown(out))
+    return out
+
+
+def _ci(c: dict, digits: int = 3) -> str:
+    if c.get("mean") is None:
+        return "-"
+    if c.get("lo") is None:
+        return f"{c['mean']:.{digits}f} (1 seed)"
+    return f"{c['mean']:.{digits}f} [{c['lo']:.{digits}f}, {c['hi']:.{digits}f}]"
+
+
+def markdown(summary: dict) -> str:
+    """The study's tables: per group, each mode's final validation (mean [95 % CI] over
+    seeds) and gradient statistics, then agent - global paired over seeds."""
+    lines = []
+    for group, g in summary["groups"].items():
+        keys = sorted(k for k in g["step0_mean"] if k != "val/pass@1")
+        lines += [f"### {group}", "", "| mode | seeds | " + " | ".join(f"final {k[4:]}" for k in keys)
+                  + " | max / median pre-clip grad norm | spikes |",
+                  "|---|---|" + "---|" * len(keys) + "---|---|"]  # fmt: skip
+        if g["step0"]:
+            lines.append("| step 0 (before RL) | " + ",".join(sorted(g["step0"])) + " | "
+                         + " | ".join(_ci(g["step0_mean"][k]) for k in keys) + " | | |")  # fmt: skip
+        for mode, m in g["modes"].items():
+            grads = ", ".join(
+                f"{u} {v['max']:.2f}/{v['median']:.2f}" for u, v in m["spikes"].items()
+            )
+            spikes = sum(v["spikes"] for v in m["spikes"].values())
+            lines.append(f"| {mode} | {len(m['seeds'])} | " + " | ".join(_ci(m[k]) for k in keys)
+                         + f" | {grads} | {spikes} |")  # fmt: skip
+        paired = g["agent_minus_global"]
+        if g["paired_seeds"]:
+            lines += [
+                "",
+                f"agent − global, paired over seeds {g['paired_seeds']} (95 % t-interval):",
+                "",
+            ]
+            for k, c in paired.items():
+                if k == "val/pass@1":
+                    continue
+                what = "×" if k.startswith("max_grad") else ""
+                verdict = "significant" if c["significant"] else "not significant"
+                lines.append(f"- {k}: {_ci(c)}{what} ({verdict})")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _significant(ci: dict) -> dict:
+    lo, hi = ci["lo"], ci["hi"]
+    return {**ci, "significant": lo is not None and hi is not None and (lo > 0 or hi < 0)}
+
+
+def _spikes(runs: list[dict]) -> dict:
+    """Per model, over the seeds of one mode: mean largest and median pre-clip gradient
+    norm, total spike steps (> 3x the median of the 10 before) and non-finite skips."""
+    out = {}
+    for unit in sorted({u for r in runs for u in r["spikes"] if u.startswith("model ")}):
+        stats = [r["spikes"][unit] for r in runs if unit in r["spikes"]]
+        out[unit[6:]] = {
+            "max": statistics.fmean(s["max"] for s in stats),
+            "median": statistics.fmean(s["median"] for s in stats),
+            "max_over_median": statistics.fmean(
+                s["max"] / s["median"] for s in stats if s["median"]
+            ),
+            "spikes": sum(s["spikes"] for s in stats),
+            "skipped_nonfinite": sum(s.get("skipped_nonfinite", 0) for s in stats),
+        }
     return out
 
 
