@@ -25,6 +25,7 @@ from drmas.broker.connections import ConnectionCap
 from drmas.broker.gate import Gate, RateLimit, clip
 from drmas.broker.heap import tune_gc
 from drmas.broker.metrics import JsonlSink, NullSink, StepMetrics
+from drmas.broker.samples import SampleWriter, load_tokenizers
 from drmas.broker.state import BrokerState
 from drmas.checkpoints.broker_state import BrokerCheckpoints
 from drmas.launch.config import DrmasConfig
@@ -87,6 +88,7 @@ class BrokerServer:
             cfg, TaskSource(cfg.task), StepMetrics(sink, sorted(cfg.models)), uuid.uuid4().hex[:12]
         )
         self.checkpoints.restore(self.state)
+        self.samples = self._sample_writer(cfg, run_dir)
         self.gate = Gate(self.state)
         # CURVE: public key (z85) -> Hello roles it may take (authorized/roles.json)
         self.key_roles = key_roles(keys_dir(cfg.security)) if cfg.security.curve else None
@@ -108,6 +110,19 @@ class BrokerServer:
         self._stop = False
         self._shutdown_sent = False
         log.info("broker listening on %s (run %s)", self.address, self.state.run_id)
+
+    @staticmethod
+    def _sample_writer(cfg: DrmasConfig, run_dir: Path | None) -> SampleWriter | None:
+        if run_dir is None or cfg.run.samples_every <= 0:
+            return None
+        return SampleWriter(
+            run_dir / "samples.jsonl",
+            {},  # tokenizers load at the first write, not at start-up
+            cfg.run.samples_every,
+            cfg.run.samples_episodes,
+            cfg.algorithm.advantage,
+            cfg.algorithm.invalid_action_penalty,
+        )
 
     # ------------------------------------------------------------------ loop
     def serve(self, max_seconds: float | None = None) -> None:
@@ -328,5 +343,19 @@ class BrokerServer:
                 st.hand_back(cid, [msg.lease_id])  # re-issue the task now, not at lease timeout
                 st.counters["groups_invalid"] += 1
                 raise
+        record = st.table.owned(msg.lease_id, cid)
         why = st.accept(cid, msg, now)
         self.send(cid, Accepted(msg.lease_id, accepted=not why, reason=why))
+        step = min(st.versions.values())
+        if (
+            self.samples
+            and not why
+            and record
+            and record.eval_round is None
+            and self.samples.due(step)
+        ):
+            if not self.samples.tokenizers:
+                self.samples.tokenizers = load_tokenizers(
+                    {m: c.path for m, c in self.cfg.models.items()}
+                )
+            self.samples.write(step, record.task, msg)

@@ -12,6 +12,7 @@
     drmas data    math|search FILE... --out F downloaded datasets -> drmas task JSONL
     drmas report  RUN_DIR... --out DIR        plots and gradient-spike statistics of runs
     drmas config  [GROUP] [overrides]         the resolved config, or one group of it
+    drmas show    RUN_DIR [--last N]          the latest sampled episodes, as text
 
 Overrides use hydra syntax (`train.steps=10 experiment=tiny_math_shared`). `--config`
 loads a resolved RUN_DIR/config.yaml instead of composing configs/.
@@ -61,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
         "measure each agent's gradient second moment under global baselines vs agent-wise "
         "advantages (probe.rewards='{agent: [mean, std], ...}' for synthetic scores)",
     )
+    transcripts = sub.add_parser(
+        "show", help="print the latest sampled episodes of a run (RUN_DIR/samples.jsonl)"
+    )
+    transcripts.add_argument("run_dir", help="a run folder")
+    transcripts.add_argument("--last", type=int, default=1, help="how many sampled groups")
     show = sub.add_parser(
         "config",
         help="print the resolved config (all of it, or one group such as algorithm)",
@@ -239,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         return _data(args)
     if args.command == "report":
         return _report(args)
+    if args.command == "show":
+        from pathlib import Path
+
+        from drmas.broker.samples import show
+
+        return show(Path(args.run_dir), args.last)
 
     from drmas.launch.config import ConfigError, load_config
 

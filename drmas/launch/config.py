@@ -92,6 +92,11 @@ class RunConfig:
     resume: str = ""
     """A run folder to continue from its last complete checkpoint (versions, optimizer,
     data cursor and metrics continue); empty = a fresh run."""
+    samples_every: int = 10
+    """Every this many steps, whole episodes of one training group go to
+    RUN_DIR/samples.jsonl as text (`drmas show RUN_DIR`); 0 = never."""
+    samples_episodes: int = 2
+    """Episodes of that group written (each with every agent's turns)."""
 
 
 @dataclass

@@ -61,6 +61,25 @@ def test_train_non_shared(tmp_path: Path, model_cache: Path) -> None:
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["actor"]["pools"]["verifier"]["dtype"] == "bfloat16"
     check_report(run_dir, tmp_path)
+    check_samples(run_dir)
+
+
+def check_samples(run_dir: Path) -> None:
+    """Transcripts: whole episodes as text, every agent's turns with advantages; drmas
+    show prints them."""
+    import json
+
+    records = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert records and records[0]["step"] == 0  # run.samples_every=10: step 0 of 4
+    episode = records[0]["episodes"][0]
+    agents = [step["agent"] for step in episode["steps"]]
+    assert agents[:2] == ["solver", "verifier"]
+    first = episode["steps"][0]
+    assert isinstance(first["prompt"], str) and "Question:" in first["prompt"]
+    assert isinstance(first["response"], str) and first["version"] == 0
+    assert all(isinstance(step["advantage"], float) for step in episode["steps"])
+    shown = drmas("show", str(run_dir))
+    assert shown.returncode == 0 and "episode 0" in shown.stdout and "[solver" in shown.stdout
 
 
 def check_report(run_dir: Path, tmp_path: Path) -> None:

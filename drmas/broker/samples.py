@@ -1,0 +1,163 @@
+"""Transcripts: whole episodes of training groups, as text, in RUN_DIR/samples.jsonl.
+
+Written by the broker (the process that already writes metrics.jsonl) from accepted
+groups: every `run.samples_every` steps, the first group accepted at that step gives its
+first `run.samples_episodes` episodes. Each record holds, per episode, the team reward
+and every step in order: the agent, its model, the weight version that generated it, the
+prompt and response text (decoded with the model's tokenizer), whether its action
+parsed, its score and its advantage. Advantages are the group's own (scope=group), as
+the learners get them; with algorithm.advantage.scope=batch the learners' differ, and
+the record says which scope it used. `drmas show RUN_DIR` prints the latest records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from drmas.broker.advantages import compute_advantages
+from drmas.broker.config import AdvantageConfig
+from drmas.protocol.arrays import unpack_ids
+from drmas.protocol.messages import GroupResult, Task
+
+log = logging.getLogger("drmas.broker")
+
+MAX_CHARS = 4000
+"""A prompt or response longer than this is cut (the record says so)."""
+
+
+def load_tokenizers(model_paths: dict[str, str]) -> dict[str, Any]:
+    """Each model's tokenizer from its checkpoint folder; a model without one is left out
+    (its steps are written as token ids)."""
+    out = {}
+    for model, path in model_paths.items():
+        try:
+            from transformers import AutoTokenizer
+
+            out[model] = AutoTokenizer.from_pretrained(path)
+        except Exception as exc:  # a tokenizer is a convenience here, never a failure
+            log.warning("samples: no tokenizer for %s at %s (%s): token ids only", model, path, exc)
+    return out
+
+
+class SampleWriter:
+    def __init__(
+        self,
+        path: Path,
+        tokenizers: dict[str, Any],
+        every: int,
+        episodes: int,
+        advantage: AdvantageConfig,
+        penalty: float,
+    ) -> None:
+        self.path = path
+        self.tokenizers = tokenizers
+        self.every = every
+        self.episodes = episodes
+        self.advantage = advantage
+        self.penalty = penalty
+        self.written: set[int] = set()  # steps already sampled
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0 and step not in self.written
+
+    def write(self, step: int, task: Task, result: GroupResult) -> None:
+        self.written.add(step)
+        record = self.record(step, task, result)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def record(self, step: int, task: Task, result: GroupResult) -> dict[str, Any]:
+        headers = [(e, h) for e, ep in enumerate(result.episodes) for h in ep.steps]
+        scores = [
+            result.episodes[e].reward - (0.0 if h.valid else self.penalty) for e, h in headers
+        ]
+        advantages = compute_advantages(
+            np.asarray(scores, dtype=np.float64),
+            np.zeros(len(headers), dtype=np.int64),
+            np.asarray([e for e, _ in headers], dtype=np.int64),
+            [h.agent for _, h in headers],
+            mode=self.advantage.mode,
+            norm_by_std=self.advantage.norm_by_std,
+            eps=self.advantage.eps,
+            std=self.advantage.std,
+            scope="group",
+        )
+        prompts, responses = unpack_ids(result.prompt_ids), unpack_ids(result.response_ids)
+        episodes: list[dict[str, Any]] = []
+        p = r = 0
+        for i, (e, h) in enumerate(headers):
+            prompt = prompts[p : p + h.prompt_len]
+            response = responses[r : r + h.response_len]
+            p, r = p + h.prompt_len, r + h.response_len
+            if e >= self.episodes:
+                continue
+            if len(episodes) <= e:
+                episodes.append({"reward": result.episodes[e].reward, "steps": []})
+            episodes[e]["steps"].append({
+                "agent": h.agent, "model": h.model, "version": h.version, "valid": h.valid,
+                "finish_reason": h.finish_reason, "score": scores[i],
+                "advantage": float(advantages[i]),
+                "prompt": self._text(h.model, prompt), "response": self._text(h.model, response),
+            })  # fmt: skip
+        return {
+            "step": step,
+            "time_s": time.time(),
+            "task_id": task.task_id,
+            "question": task.question,
+            "answer": task.answer,
+            "advantage_mode": self.advantage.mode,
+            "advantage_scope": "group",
+            "group_episodes": len(result.episodes),
+            "episodes": episodes,
+        }
+
+    def _text(self, model: str, ids: np.ndarray) -> str | list[int]:
+        tokenizer = self.tokenizers.get(model)
+        if tokenizer is None:
+            return [int(i) for i in ids]
+        text = tokenizer.decode([int(i) for i in ids])
+        if len(text) > MAX_CHARS:
+            return f"{text[:MAX_CHARS]}... [{len(text) - MAX_CHARS} more characters]"
+        return text
+
+
+def show(run_dir: Path, last: int = 1, out: Any = None) -> int:
+    """Print the latest `last` records of RUN_DIR/samples.jsonl readably."""
+    import sys
+
+    out = out or sys.stdout
+    path = Path(run_dir) / "samples.jsonl"
+    if not path.is_file():
+        print(
+            f"drmas show: {path} does not exist (run.samples_every=0, or no step sampled yet)",
+            file=sys.stderr,
+        )
+        return 2
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for rec in records[-last:]:
+        print(f"=== step {rec['step']} · task {rec['task_id']} · {rec['advantage_mode']} advantages",
+              file=out)  # fmt: skip
+        print(f"question: {rec['question']}\ngold answer: {rec['answer']}", file=out)
+        for e, ep in enumerate(rec["episodes"]):
+            print(f"\n--- episode {e} · team reward {ep['reward']:.2f}", file=out)
+            for st in ep["steps"]:
+                flag = "" if st["valid"] else " · INVALID"
+                print(f"[{st['agent']} · {st['model']} v{st['version']} · score {st['score']:.2f}"
+                      f" · advantage {st['advantage']:+.2f}{flag}]", file=out)  # fmt: skip
+                print(f"  {_last_line(st['prompt'])}", file=out)
+                print(f"  → {str(st['response']).strip()}", file=out)
+        print(file=out)
+    return 0
+
+
+def _last_line(prompt: object) -> str:
+    """The end of a prompt (the part the agent answers), not the whole transcript."""
+    text = str(prompt).rstrip()
+    tail = text[-300:]
+    return ("..." if len(text) > 300 else "") + tail.replace("\n", "\n  ")
