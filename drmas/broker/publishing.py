@@ -48,6 +48,7 @@ class WeightPublishing:
         self.sent_digest: dict[tuple[str, int], str] = {}
         self.loaded_digest: dict[tuple[str, int], dict[str, str]] = {}
         self._seq = 0
+        self.closed = False  # the run is over and actors were told to stop: publish to none
 
     def stale_actors(self, model: str, version: int, now: float) -> list[str]:
         """Actors holding weights older than `version` while no publish of `model` is in
@@ -67,7 +68,9 @@ class WeightPublishing:
         the same version only those that lack it. Returns the plan for the learner and
         the join for each member."""
         self._seq += 1
-        if self.planned.get(model) == version:
+        if self.closed:  # after Shutdown: no actor is there to receive (nor needs to)
+            members: list[str] = []
+        elif self.planned.get(model) == version:
             members = self.stale_actors(model, version, now)
             self.counters["weight_republishes"] += 1
         else:

@@ -190,6 +190,7 @@ class BrokerServer:
 
     def broadcast_shutdown(self, reason: str) -> None:
         self._shutdown_sent = True
+        self.state.weights.closed = True  # a learner's last publish must not wait for actors
         for cid in list(self.state.table.actors) + list(self.state.learners):
             self.send(cid, Shutdown(reason))
         log.info("shutdown sent: %s", reason)

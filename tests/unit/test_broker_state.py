@@ -328,3 +328,16 @@ def test_validation_rounds_are_every_n_steps_the_end_and_step_0_unless_switched_
     st.versions = {"solver": 3, "verifier": 3}
     st._schedule_eval()
     assert sorted(st.eval_scheduled) == rounds
+
+
+def test_nothing_is_published_to_actors_after_shutdown():
+    """A learner's publish planned after the broker told the actors to stop used to wait
+    the whole weights.timeout_s for them, then log a false "weight broadcast failed"."""
+    st = make_state()
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    plan, joins = st.weights.plan("solver", 1, "h:1", 0.0)
+    assert plan.members == ["a"] and joins
+    st.weights.done("solver", 1, 0.1, ok=True)
+    st.weights.closed = True  # BrokerServer.broadcast_shutdown sets it
+    plan, joins = st.weights.plan("solver", 2, "h:1", 0.0)
+    assert plan.members == [] and joins == [] and st.counters["weight_publishes"] == 2
