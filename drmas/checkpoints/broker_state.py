@@ -213,8 +213,15 @@ def restore(state: BrokerState, snap: dict[str, Any], versions: dict[str, int]) 
         rnd.successes = {k: int(v) for k, v in saved["successes"].items()}
         state.eval_rounds[s] = rnd
         state.eval_queue.extend((t, s) for t in tasks_of_round if t.task_id not in rnd.successes)
-    # publishes of versions up to the resumed ones (re-syncing the actors) are not new lines
-    state.metrics.flushed.update(range(max(versions.values()) + 1))
+    # Lines up to the lowest resumed version stay (later ones were moved to
+    # metrics.rewound.jsonl); a step between the lowest and a model's own version is
+    # written again once the models behind report it: the models already past it count
+    # as reported (their re-publish on resume is not a new line either).
+    state.metrics.flushed.update(range(step + 1))
+    for s in range(step + 1, max(versions.values()) + 1):
+        state.metrics.reported[s] = {
+            (m, part) for m, v in versions.items() if v >= s for part in ("step", "publish")
+        }
     log.info(
         "broker resumed: versions %s, cursor epoch %d index %d, %d leases were in flight, "
         "requeued tasks %s",

@@ -300,3 +300,33 @@ def test_rng_state_round_trips_without_pickle(tmp_path: Path) -> None:
     torch.save(evil, tmp_path / "evil.pt")
     with pytest.raises(Exception, match="Weights only load failed"):
         torch.load(tmp_path / "evil.pt", weights_only=True)
+
+
+def test_models_resumed_at_different_versions_get_every_step_line_again(tmp_path: Path) -> None:
+    """Solver resumed at v2, Verifier at v0 (no checkpoint of its own yet): lines 1 and 2
+    were moved to metrics.rewound.jsonl, so each is written again once the Verifier
+    reports it; the Solver, already past them, counts as reported (a loaded CI machine
+    hit this: the lines were lost)."""
+    from drmas.broker.metrics import StepMetrics
+
+    class Sink:
+        def __init__(self) -> None:
+            self.lines: list[dict] = []
+
+        def write(self, record: dict) -> None:
+            self.lines.append(record)
+
+        def close(self) -> None:
+            pass
+
+    st = make_state()
+    sink = Sink()
+    st.metrics = StepMetrics(sink, ["solver", "verifier"])  # type: ignore[arg-type]
+    snap = json.loads(json.dumps(broker_state.snapshot(st, tmp_path)))
+    broker_state.restore(st, snap, {"solver": 2, "verifier": 0})
+    assert st.metrics.flushed == {0}
+    st.metrics.report(2, "solver", "publish", {}, {})  # its re-sync publish: no line
+    for step in (1, 2, 3):
+        st.metrics.report(step, "verifier", "step", {"loss/verifier": 1.0}, {})
+        st.metrics.report(step, "verifier", "publish", {}, {})
+    assert [line["step"] for line in sink.lines] == [1, 2]  # 3 waits for the solver too
