@@ -85,11 +85,19 @@ def label_of(config: dict[str, Any], folder: Path) -> str:
         return folder.name
     algorithm = config.get("algorithm", {})
     mode = algorithm.get("advantage", {}).get("mode", "?")
-    task_seed = config.get("task", {}).get("seed", 0)
-    engine_seed = config.get("actor", {}).get("engine", {}).get("seed", 0)
+    task = config.get("task", {})
+    order = task.get("order_seed")
+    seeds = [
+        task.get("seed", 0),
+        task.get("seed", 0) if order is None else order,
+        config.get("actor", {}).get("engine", {}).get("seed", 0),
+        *sorted({m.get("warmstart", {}).get("seed", 0) for m in config.get("models", {}).values()}),
+    ]
+    # one number when every seed agrees (a seed study), else task/order/sampling/warm start
+    seed = str(seeds[0]) if len(set(seeds)) == 1 else "/".join(map(str, seeds))
     eta = algorithm.get("max_staleness", "?")
     models = ",".join(sorted(config.get("models", {})))
-    return f"{mode} seed {task_seed}/{engine_seed} η={eta} [{models}]"
+    return f"{mode} seed {seed} η={eta} [{models}]"
 
 
 def distinct_labels(runs: list[Run]) -> None:

@@ -119,7 +119,7 @@ def check_report(run_dir: Path, tmp_path: Path) -> None:
     assert solver["lines"] == 1
     summary = json.loads((out / "summary.json").read_text())
     (labelled, _), (older_label, _) = [(r["label"], r["path"]) for r in summary["runs"]]
-    assert labelled.startswith("agent seed 0/0 η=1") and older_label == "older"
+    assert labelled.startswith("agent seed 0 η=1") and older_label == "older"
     spikes = summary["spikes"][labelled]
     assert spikes["model solver"]["steps"] == 4 and spikes["model solver"]["skipped_nonfinite"] == 0
     assert summary["spikes"]["older"] == {}

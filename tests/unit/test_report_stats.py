@@ -50,3 +50,16 @@ def test_older_run_without_config_or_standard_errors(tmp_path: Path) -> None:
 def test_not_a_run_folder(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"no metrics\.jsonl"):
         load_run(tmp_path)
+
+
+def test_labels_name_one_seed_when_a_seed_study_varies_them_together(tmp_path: Path) -> None:
+    from drmas.launch.report_stats import label_of
+
+    def config(order: int | None, engine: int, warm: int) -> dict:
+        return {"algorithm": {"advantage": {"mode": "agent"}, "max_staleness": 0},
+                "task": {"seed": 0, "order_seed": order}, "actor": {"engine": {"seed": engine}},
+                "models": {"solver": {"warmstart": {"seed": warm}}}}  # fmt: skip
+
+    assert label_of(config(None, 0, 0), tmp_path) == "agent seed 0 η=0 [solver]"
+    assert label_of(config(3, 3, 3), tmp_path) == "agent seed 0/3/3/3 η=0 [solver]"
+    assert label_of(config(0, 1, 0), tmp_path) == "agent seed 0/0/1/0 η=0 [solver]"
