@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from drmas.protocol.messages import EpisodeHeader
 
@@ -41,10 +41,18 @@ class JsonlSink:
         self._f.close()
 
 
+class Sink(Protocol):
+    """Where lines go: metrics.jsonl, and the trackers (drmas/broker/trackers.py)."""
+
+    def write(self, record: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class StepMetrics:
     """Merges per-model reports into one line per step."""
 
-    def __init__(self, sink: JsonlSink | NullSink, models: list[str]) -> None:
+    def __init__(self, sink: Sink, models: list[str]) -> None:
         self.sink = sink
         self.parts = {(m, part) for m in models for part in ("step", "publish")}
         self.pending: dict[int, dict[str, float]] = {}

@@ -66,11 +66,12 @@ class SampleWriter:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0 and step not in self.written
 
-    def write(self, step: int, task: Task, result: GroupResult) -> None:
+    def write(self, step: int, task: Task, result: GroupResult) -> dict[str, Any]:
         self.written.add(step)
         record = self.record(step, task, result)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        return record
 
     def record(self, step: int, task: Task, result: GroupResult) -> dict[str, Any]:
         headers = [(e, h) for e, ep in enumerate(result.episodes) for h in ep.steps]
@@ -127,6 +128,15 @@ class SampleWriter:
         return text
 
 
+def transcript_markdown(rec: dict[str, Any]) -> str:
+    """One record as markdown (the trackers' text tables)."""
+    import io
+
+    buf = io.StringIO()
+    _print_record(rec, buf)
+    return "```\n" + buf.getvalue() + "```"
+
+
 def show(run_dir: Path, last: int = 1, out: Any = None) -> int:
     """Print the latest `last` records of RUN_DIR/samples.jsonl readably."""
     import sys
@@ -141,19 +151,23 @@ def show(run_dir: Path, last: int = 1, out: Any = None) -> int:
         return 2
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for rec in records[-last:]:
-        print(f"=== step {rec['step']} · task {rec['task_id']} · {rec['advantage_mode']} advantages",
-              file=out)  # fmt: skip
-        print(f"question: {rec['question']}\ngold answer: {rec['answer']}", file=out)
-        for e, ep in enumerate(rec["episodes"]):
-            print(f"\n--- episode {e} · team reward {ep['reward']:.2f}", file=out)
-            for st in ep["steps"]:
-                flag = "" if st["valid"] else " · INVALID"
-                print(f"[{st['agent']} · {st['model']} v{st['version']} · score {st['score']:.2f}"
-                      f" · advantage {st['advantage']:+.2f}{flag}]", file=out)  # fmt: skip
-                print(f"  {_last_line(st['prompt'])}", file=out)
-                print(f"  → {str(st['response']).strip()}", file=out)
-        print(file=out)
+        _print_record(rec, out)
     return 0
+
+
+def _print_record(rec: dict[str, Any], out: Any) -> None:
+    print(f"=== step {rec['step']} · task {rec['task_id']} · {rec['advantage_mode']} advantages",
+          file=out)  # fmt: skip
+    print(f"question: {rec['question']}\ngold answer: {rec['answer']}", file=out)
+    for e, ep in enumerate(rec["episodes"]):
+        print(f"\n--- episode {e} · team reward {ep['reward']:.2f}", file=out)
+        for st in ep["steps"]:
+            flag = "" if st["valid"] else " · INVALID"
+            print(f"[{st['agent']} · {st['model']} v{st['version']} · score {st['score']:.2f}"
+                  f" · advantage {st['advantage']:+.2f}{flag}]", file=out)  # fmt: skip
+            print(f"  {_last_line(st['prompt'])}", file=out)
+            print(f"  → {str(st['response']).strip()}", file=out)
+    print(file=out)
 
 
 def _last_line(prompt: object) -> str:

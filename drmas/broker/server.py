@@ -24,11 +24,12 @@ import zmq
 from drmas.broker.connections import ConnectionCap
 from drmas.broker.gate import Gate, RateLimit, clip
 from drmas.broker.heap import tune_gc
-from drmas.broker.metrics import JsonlSink, NullSink, StepMetrics
-from drmas.broker.samples import SampleWriter, load_tokenizers
+from drmas.broker.metrics import NullSink, StepMetrics
+from drmas.broker.samples import SampleWriter, load_tokenizers, transcript_markdown
 from drmas.broker.state import BrokerState
+from drmas.broker.trackers import FanOut, make_sink
 from drmas.checkpoints.broker_state import BrokerCheckpoints
-from drmas.launch.config import DrmasConfig
+from drmas.launch.config import DrmasConfig, config_dict
 from drmas.protocol import (
     PROTOCOL_VERSION,
     Limits,
@@ -82,13 +83,16 @@ class BrokerServer:
     def __init__(self, cfg: DrmasConfig, run_dir: Path | None = None) -> None:
         self.cfg = cfg
         self.checkpoints = BrokerCheckpoints(cfg, run_dir)  # on resume: reads, rewinds metrics
-        sink = JsonlSink(run_dir / "metrics.jsonl") if run_dir else NullSink()
+        sink: FanOut | NullSink = NullSink()
+        if run_dir:
+            sink = make_sink(run_dir, list(cfg.logger), cfg.run.project, config_dict(cfg))
         self.run_dir = run_dir
         self.state = BrokerState(
             cfg, TaskSource(cfg.task), StepMetrics(sink, sorted(cfg.models)), uuid.uuid4().hex[:12]
         )
         self.checkpoints.restore(self.state)
         self.samples = self._sample_writer(cfg, run_dir)
+        self.sink = sink
         self.gate = Gate(self.state)
         # CURVE: public key (z85) -> Hello roles it may take (authorized/roles.json)
         self.key_roles = key_roles(keys_dir(cfg.security)) if cfg.security.curve else None
@@ -359,4 +363,6 @@ class BrokerServer:
                 self.samples.tokenizers = load_tokenizers(
                     {m: c.path for m, c in self.cfg.models.items()}
                 )
-            self.samples.write(step, record.task, msg)
+            written = self.samples.write(step, record.task, msg)
+            if isinstance(self.sink, FanOut):
+                self.sink.text("samples", transcript_markdown(written), step)

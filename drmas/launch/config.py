@@ -97,6 +97,8 @@ class RunConfig:
     RUN_DIR/samples.jsonl as text (`drmas show RUN_DIR`); 0 = never."""
     samples_episodes: int = 2
     """Episodes of that group written (each with every agent's turns)."""
+    project: str = "drmas"
+    """Project (W&B) or experiment (MLflow) name of the run in the trackers of `logger`."""
 
 
 @dataclass
@@ -128,6 +130,9 @@ class DrmasConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """drmas train on a GPU node: which GPUs each process gets."""
+    logger: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where metrics go: jsonl (RUN_DIR/metrics.jsonl, always), tensorboard, wandb
+    (offline unless WANDB_MODE says otherwise), mlflow; e.g. logger=[jsonl,tensorboard]."""
 
     def __post_init__(self) -> None:
         check(self)
@@ -210,7 +215,18 @@ def check(cfg: DrmasConfig) -> None:
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+    from drmas.broker.trackers import TRACKERS, missing_packages
     from drmas.launch.schema import literal_problems
+
+    unknown_trackers = sorted(set(cfg.logger) - set(TRACKERS))
+    if unknown_trackers:
+        raise ConfigError(f"logger names {unknown_trackers}; choose from {list(TRACKERS)}")
+    absent = missing_packages(list(cfg.logger))
+    if absent:
+        raise ConfigError(
+            f"logger={list(cfg.logger)}: {absent} not installed here; pip install "
+            "'drmas[trackers]' (tensorboardX, wandb, mlflow-skinny)"
+        )
 
     literals = literal_problems(cfg)  # every Literal-typed field, wherever it is
     if literals:
@@ -388,6 +404,15 @@ def load_config(overrides: list[str], config_file: str | None = None) -> DrmasCo
         raise ConfigError(f"bad config or override: {exc}{hint}") from None
     assert isinstance(obj, DrmasConfig)
     return obj
+
+
+def config_dict(cfg: DrmasConfig) -> dict:
+    """The resolved config as plain dicts and lists (for trackers' run configs)."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(OmegaConf.structured(cfg))
+    assert isinstance(plain, dict)
+    return plain
 
 
 def to_yaml(cfg: DrmasConfig) -> str:

@@ -49,6 +49,7 @@ def test_train_non_shared(tmp_path: Path, model_cache: Path) -> None:
         *FAST,
         "models.verifier.precision=bf16-mixed",
         "+actor.pools={verifier: {dtype: bfloat16}}",
+        "logger=[jsonl,tensorboard]",
         f"run.dir={run_dir}",
         f"run.cache_dir={model_cache}",
     )
@@ -62,6 +63,8 @@ def test_train_non_shared(tmp_path: Path, model_cache: Path) -> None:
     assert saved["actor"]["pools"]["verifier"]["dtype"] == "bfloat16"
     check_report(run_dir, tmp_path)
     check_samples(run_dir)
+    events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 1000  # the lines went there too
 
 
 def check_samples(run_dir: Path) -> None:
