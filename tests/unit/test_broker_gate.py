@@ -196,12 +196,12 @@ def test_observers_only_read_status(server: BrokerServer) -> None:
 
 # ----------------------------------------------------------------- bounds
 def test_learner_registrations_stay_one_per_rank(server: BrokerServer) -> None:
-    for i in range(300):
+    for i in range(100):
         peer = Peer(server, f"L{i}")  # a rank restarting under new ids
         assert isinstance(peer.hello("learner", ["solver"], rank=0, world_size=2), Welcome)
         peer.close()
     assert len(server.state.learners) == 1
-    assert server.state.counters["learners_replaced"] == 299
+    assert server.state.counters["learners_replaced"] == 99
     odd = Peer(server, "odd")
     assert refused(odd.hello("learner", ["solver"], rank=1, world_size=3), "invalid")
     assert refused(odd.hello("learner", ["solver"], rank=0, world_size=10**6), "invalid")
