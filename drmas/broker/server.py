@@ -2,9 +2,15 @@
 
 Talks to: actors (leases in, groups out, weight-group joins), learner ranks (batch
 shards, step reports, publish plans) and `drmas status` clients. Every frame is decoded
-with the ToBroker decoder and validated before it touches state; a refused frame gets an
-ErrorReply (when the sender can be answered), is counted under `refused/<code>`, and the
-loop goes on. The loop polls with a 100 ms timeout so liveness checks never stall.
+with the ToBroker decoder, then checked by the gate (drmas/broker/gate.py: the sender's
+role bound at Hello, its CURVE key's role, every field) and validated before it touches
+state; a refused frame gets an ErrorReply (when the sender can be answered), is counted
+under `refused/<code>`, and the loop goes on. Anything unforeseen is refused as
+`internal` by a last-resort handler. The loop polls with a 100 ms timeout so liveness
+checks never stall, and caps open connections per host (drmas/broker/connections.py).
+
+Writes: RUN_DIR/metrics.jsonl and the trackers of `logger` (drmas/broker/trackers.py),
+RUN_DIR/samples.jsonl (drmas/broker/samples.py), broker_summary.json and its checkpoints.
 """
 
 from __future__ import annotations
