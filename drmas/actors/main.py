@@ -163,6 +163,9 @@ class Actor:
                 case _:
                     log.debug("ignoring unsolicited %s", type(msg).__name__)
 
+    def shutdown_pending(self) -> bool:
+        return bool(self.stopping) or any(isinstance(m, Shutdown) for m in self.client.inbox)
+
     def shut_down_meanwhile(self, exc: BrokerUnavailable) -> bool:
         """A request went unanswered: True (and stop) if the broker said Shutdown meanwhile
         (it answered the request's race by exiting: the run is over, not broken); else the
@@ -185,9 +188,11 @@ class Actor:
         trained twice."""
         for attempt in range(REQUEST_ATTEMPTS):
             try:
-                return await self.client.arequest(message, expect, REQUEST_TIMEOUT_S)
+                return await self.client.arequest(
+                    message, expect, REQUEST_TIMEOUT_S, give_up_on=(Shutdown,)
+                )
             except BrokerUnavailable as exc:
-                if attempt + 1 == REQUEST_ATTEMPTS or self.shut_down_meanwhile(exc):
+                if attempt + 1 == REQUEST_ATTEMPTS or self.shutdown_pending():
                     raise
                 log.warning("%s; retrying (%d of %d)", exc, attempt + 2, REQUEST_ATTEMPTS)
                 await asyncio.sleep(2.0**attempt)

@@ -183,15 +183,26 @@ class BrokerClient:
                 return reply
 
     async def arequest(
-        self, message: object, expect: type[T] | tuple[type, ...], timeout_s: float
+        self,
+        message: object,
+        expect: type[T] | tuple[type, ...],
+        timeout_s: float,
+        give_up_on: tuple[type, ...] = (),
     ) -> T:
         """`request` for an asyncio loop: polls without blocking and yields between polls
         (2 ms growing to 50 ms), so the loop's other tasks (heartbeats, episodes) go on
-        while the broker is slow to answer."""
+        while the broker is slow to answer. Stops waiting (BrokerUnavailable) as soon as
+        a message of a `give_up_on` type arrives (it stays in `inbox`): the actor passes
+        Shutdown, after which the broker may be gone."""
         self.send(message)
         deadline = time.monotonic() + timeout_s
         pause = 0.002
         while True:
+            if give_up_on and any(isinstance(m, give_up_on) for m in self.inbox):
+                raise BrokerUnavailable(
+                    f"the broker at {self.address} is shutting down; "
+                    f"{type(message).__name__} not answered"
+                )
             if time.monotonic() >= deadline:
                 raise self._unanswered(message, timeout_s)
             if not self.sock.poll(0):

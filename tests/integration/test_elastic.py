@@ -98,7 +98,9 @@ def test_an_actor_attached_mid_run_gets_weights_before_leases() -> None:
 def test_actor_attached_mid_run_syncs_then_trains(tmp_path: Path, model_cache: Path) -> None:
     """hf engine: a second actor attached once both models are past v1 shows in status,
     receives the current weights (digests match), and then contributes accepted groups."""
-    run_dir, steps = tmp_path / "run", 8
+    # 12 steps: the late actor takes ~20-30 s to load on a loaded machine, long enough
+    # for 8 steps to end before it could return a group (a CI run saw exactly that)
+    run_dir, steps = tmp_path / "run", 12
     train = start_train(
         run_dir, model_cache, "train.progress=false", f"train.steps={steps}", "actor.max_groups=2"
     )
