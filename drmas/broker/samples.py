@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,32 +47,54 @@ def load_tokenizers(model_paths: dict[str, str]) -> dict[str, Any]:
 
 
 class SampleWriter:
+    """Tokenizers load in a thread started with the writer (importing transformers takes
+    seconds, which the broker loop must not stall for); a group sampled before they are
+    ready waits in `pending` and is written by `flush`, which the loop calls regularly."""
+
     def __init__(
         self,
         path: Path,
-        tokenizers: dict[str, Any],
+        model_paths: dict[str, str],
         every: int,
         episodes: int,
         advantage: AdvantageConfig,
         penalty: float,
     ) -> None:
         self.path = path
-        self.tokenizers = tokenizers
+        self.tokenizers: dict[str, Any] = {}
         self.every = every
         self.episodes = episodes
         self.advantage = advantage
         self.penalty = penalty
         self.written: set[int] = set()  # steps already sampled
+        self.pending: list[tuple[int, Task, GroupResult]] = []
+        self.ready = threading.Event()
+        threading.Thread(
+            target=self._load, args=(model_paths,), name="samples-tokenizers", daemon=True
+        ).start()
+
+    def _load(self, model_paths: dict[str, str]) -> None:
+        self.tokenizers = load_tokenizers(model_paths)
+        self.ready.set()
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0 and step not in self.written
 
-    def write(self, step: int, task: Task, result: GroupResult) -> dict[str, Any]:
+    def add(self, step: int, task: Task, result: GroupResult) -> None:
+        """Sample this group for `step` (written now, or by `flush` once tokenizers load)."""
         self.written.add(step)
-        record = self.record(step, task, result)
+        self.pending.append((step, task, result))
+
+    def flush(self) -> list[dict[str, Any]]:
+        """Write the pending groups if the tokenizers are ready; returns the records."""
+        if not self.pending or not self.ready.is_set():
+            return []
+        records = [self.record(step, task, result) for step, task, result in self.pending]
+        self.pending.clear()
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        return record
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+        return records
 
     def record(self, step: int, task: Task, result: GroupResult) -> dict[str, Any]:
         headers = [(e, h) for e, ep in enumerate(result.episodes) for h in ep.steps]

@@ -31,7 +31,7 @@ from drmas.broker.connections import ConnectionCap
 from drmas.broker.gate import Gate, RateLimit, clip
 from drmas.broker.heap import tune_gc
 from drmas.broker.metrics import NullSink, StepMetrics
-from drmas.broker.samples import SampleWriter, load_tokenizers, transcript_markdown
+from drmas.broker.samples import SampleWriter, transcript_markdown
 from drmas.broker.state import BrokerState
 from drmas.broker.trackers import FanOut, make_sink
 from drmas.checkpoints.broker_state import BrokerCheckpoints
@@ -127,7 +127,7 @@ class BrokerServer:
             return None
         return SampleWriter(
             run_dir / "samples.jsonl",
-            {},  # tokenizers load at the first write, not at start-up
+            {m: c.path for m, c in cfg.models.items()},
             cfg.run.samples_every,
             cfg.run.samples_episodes,
             cfg.algorithm.advantage,
@@ -153,6 +153,7 @@ class BrokerServer:
                 now = time.monotonic()
                 if now - last_reap > 0.5:
                     self.state.reap(now)
+                    self.flush_samples()
                     last_reap = now
                 if self.state.done and not self._shutdown_sent:
                     self.broadcast_shutdown("training finished")
@@ -182,6 +183,9 @@ class BrokerServer:
 
     def close(self) -> None:
         self.checkpoints.save(self.state, "broker stopping")
+        if self.samples is not None and self.samples.pending:
+            self.samples.ready.wait(30)  # explicit bound: a run that ends early keeps its sample
+            self.flush_samples()
         counters = dict(self.state.counters)
         self.state.metrics.close(counters)
         if self.run_dir:
@@ -365,10 +369,13 @@ class BrokerServer:
             and record.eval_round is None
             and self.samples.due(step)
         ):
-            if not self.samples.tokenizers:
-                self.samples.tokenizers = load_tokenizers(
-                    {m: c.path for m, c in self.cfg.models.items()}
-                )
-            written = self.samples.write(step, record.task, msg)
+            self.samples.add(step, record.task, msg)
+            self.flush_samples()
+
+    def flush_samples(self) -> None:
+        """Sampled transcripts to samples.jsonl and the trackers, once tokenizers load."""
+        if self.samples is None:
+            return
+        for written in self.samples.flush():
             if isinstance(self.sink, FanOut):
-                self.sink.text("samples", transcript_markdown(written), step)
+                self.sink.text("samples", transcript_markdown(written), written["step"])
