@@ -125,3 +125,18 @@ def test_bad_explicit_lists_say_what_to_fix(overrides: list[str], match: str) ->
 def test_unknown_share_mode_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"placement\.share"):
         load_config(["placement.share=sometimes"])
+
+
+def test_a_chosen_port_is_bindable_and_outside_the_kernels_ephemeral_range() -> None:
+    """A learner binds its MASTER_PORT seconds after drmas train chose it; a port from the
+    ephemeral range could meanwhile be handed to any port-0 bind or outgoing connection
+    (a CI run lost a learner to EADDRINUSE that way)."""
+    import socket
+
+    from drmas.launch.ports import LOWEST, ephemeral_range, free_port
+
+    low, _ = ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert all(LOWEST <= p < low for p in ports) and len(ports) > 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free when chosen
