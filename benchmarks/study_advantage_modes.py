@@ -275,18 +275,93 @@ def _spikes(runs: list[dict]) -> dict:
     return out
 
 
+def plots(out_dir: Path) -> list[Path]:
+    """The study's figures: per group, the paired final avg@k of each seed (agent against
+    global), and each model's pre-clip gradient norm over steps (Dr. MAS blue, GRPO
+    orange, one thin line per seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))
+               if p.name != "study_summary.json"]  # fmt: skip
+    colors = {"agent": "tab:blue", "global": "tab:orange"}
+    written = []
+
+    def paired_seeds(group: str) -> int:
+        modes = [{r["seed"] for r in results if r["group"] == group and r["mode"] == m}
+                 for m in ("agent", "global")]  # fmt: skip
+        return len(modes[0] & modes[1])
+
+    groups = sorted({r["group"] for r in results if paired_seeds(r["group"]) >= 2})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.4), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        by = {(r["mode"], r["seed"]): r for r in results if r["group"] == group}
+        key = next(k for k in by[next(iter(by))]["final"] if k.startswith("val/avg@"))
+        seeds = sorted(s for m, s in by if m == "agent" and ("global", s) in by)
+        for s in seeds:
+            a, g = by[("agent", s)]["final"][key], by[("global", s)]["final"][key]
+            ax.plot([0, 1], [g, a], color="grey", lw=1)
+            ax.scatter([0], [g], color=colors["global"], zorder=3)
+            ax.scatter([1], [a], color=colors["agent"], zorder=3)
+        ax.set_xticks([0, 1], ["GRPO (global)", "Dr. MAS (agent)"])
+        ax.set_xlim(-0.4, 1.4)
+        ax.set_title(f"{group}: final {key[4:]} per seed")
+        ax.set_ylabel(f"held-out {key[4:]}")
+    fig.tight_layout()
+    written.append(out_dir / "results_paired.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    for group in groups:
+        runs = [r for r in results if r["group"] == group and r["mode"] in colors]
+        models = sorted({k.split("/", 1)[1] for r in runs for line in _steps(r) for k in line
+                         if k.startswith("grad_norm/")})  # fmt: skip
+        fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.2), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            for r in runs:
+                lines = _steps(r)
+                xs = [x["step"] for x in lines if f"grad_norm/{model}" in x]
+                ys = [x[f"grad_norm/{model}"] for x in lines if f"grad_norm/{model}" in x]
+                ax.plot(xs, ys, color=colors[r["mode"]], lw=1, alpha=0.7)
+            ax.set_yscale("log")
+            ax.set_title(f"grad_norm/{model}")
+            ax.set_xlabel("step")
+            ax.set_ylabel("pre-clip grad norm (log)")
+        handles = [plt.Line2D([], [], color=c, label=f"{m} ({len({r['seed'] for r in runs if r['mode'] == m})} seeds)") for m, c in colors.items()]  # fmt: skip
+        fig.legend(handles=handles, loc="lower center", ncol=2)
+        fig.suptitle(f"{group}: gradient norm per model, Dr. MAS (agent) and GRPO (global)")
+        fig.tight_layout(rect=(0, 0.08, 1, 1))
+        written.append(out_dir / f"results_{group}_grad_norm.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
+def _steps(result: dict) -> list[dict]:
+    """The training lines of a study run (from its kept metrics.jsonl)."""
+    path = OUT / "run_files" / result["name"] / "metrics.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [x for x in lines if "val/tasks" not in x]
+
+
 def main() -> int:
     global OUT
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", help="groups to run (default: all)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time")
     p.add_argument("--summarize", action="store_true", help="only rewrite study_summary.json")
+    p.add_argument("--plots", default="", help="write the study's figures into this folder")
     p.add_argument("--smoke", action="store_true", help="two tiny runs per mode instead")
     p.add_argument("--out", default=str(OUT), help="results folder")
     args = p.parse_args()
     OUT = Path(args.out)
     plan = (SMOKE,) if args.smoke else PLAN
     groups = [g for g in plan if not args.only or g.name in args.only]
+    if args.plots:
+        for path in plots(Path(args.plots)):
+            print(path)
+        return 0
     if args.summarize:
         print(json.dumps(summarize(), indent=2))
         return 0
