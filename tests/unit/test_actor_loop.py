@@ -37,6 +37,26 @@ def scripted_broker(sock: zmq.Socket, seen: list[str]) -> None:
             return
 
 
+def run_against(script, args: tuple, timeout: float) -> Actor:  # type: ignore[no-untyped-def]
+    """Run a sim-engine actor until it stops, against `script(router, *args)` on a real
+    ROUTER socket in a thread."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    broker = threading.Thread(target=script, args=(router, *args), daemon=True)
+    broker.start()
+    cfg = load_config(
+        [f"broker.address=tcp://127.0.0.1:{port}", "actor.engine.name=sim", "actor.max_groups=1"]
+    )
+    actor = Actor(cfg, "a1")
+    try:
+        asyncio.run(asyncio.wait_for(actor.run(), timeout=timeout))
+    finally:
+        broker.join(timeout=timeout + 5)
+        router.close(linger=0)
+    return actor
+
+
 def test_shutdown_read_between_requests_stops_without_asking_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -46,22 +66,8 @@ def test_shutdown_read_between_requests_stops_without_asking_again(
     monkeypatch.setattr(actor_main, "REQUEST_TIMEOUT_S", 3.0)
     # sim engines with the builtin character tokenizer: no model folder to build
     monkeypatch.setattr(actor_main, "make_engine", lambda m, _p, c: make_engine(m, "", c))
-    ctx = zmq.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
     seen: list[str] = []
-    broker = threading.Thread(target=scripted_broker, args=(router, seen), daemon=True)
-    broker.start()
-    cfg = load_config(
-        [f"broker.address=tcp://127.0.0.1:{port}", "actor.engine.name=sim", "actor.max_groups=1"]
-    )
-    actor = Actor(cfg, "a1")
-    try:
-        asyncio.run(asyncio.wait_for(actor.run(), timeout=20))
-    finally:
-        broker.join(timeout=25)
-        router.close(linger=0)
+    actor = run_against(scripted_broker, (seen,), timeout=20)
     assert actor.stopping == "broker: training finished"
     assert seen.count("LeaseRequest") == 1, seen  # nothing asked after the Shutdown
     assert seen[-1] == "Goodbye", seen
@@ -169,22 +175,8 @@ def test_heartbeats_go_on_while_a_request_waits_and_a_stall_is_retried(
     waited, and an unanswered request ended the actor at once."""
     monkeypatch.setattr(actor_main, "REQUEST_TIMEOUT_S", 1.5)
     monkeypatch.setattr(actor_main, "make_engine", lambda m, _p, c: make_engine(m, "", c))
-    ctx = zmq.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
     seen: list[tuple[float, str]] = []
-    broker = threading.Thread(target=slow_broker, args=(router, seen, 2.5), daemon=True)
-    broker.start()
-    cfg = load_config(
-        [f"broker.address=tcp://127.0.0.1:{port}", "actor.engine.name=sim", "actor.max_groups=1"]
-    )
-    actor = Actor(cfg, "a1")
-    try:
-        asyncio.run(asyncio.wait_for(actor.run(), timeout=30))
-    finally:
-        broker.join(timeout=35)
-        router.close(linger=0)
+    actor = run_against(slow_broker, (seen, 2.5), timeout=30)
     asks = [t for t, tag in seen if tag == "LeaseRequest"]
     assert len(asks) >= 2  # the unanswered one was retried, the actor did not exit
     beats = [t for t, tag in seen if tag == "Heartbeat" and asks[0] < t < asks[1]]
