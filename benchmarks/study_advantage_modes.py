@@ -67,7 +67,7 @@ PLAN = (
     Group("async", ("algorithm.max_staleness=1", "train.steps=20", *VAL), ("solver", "verifier"),
           ("agent", "global"), (0,), 2.5, 0.0, step0=False),
     Group("math_ablation", MATH, ("solver", "verifier"), ("agent_mean", "agent_std", "step_global"),
-          (0, 1), 2.5, 0.0, step0=False),
+          (0, 1, 2), 2.5, 0.0, step0=False),
     Group("math_shared", ("experiment=tiny_math_shared", *MATH), ("policy",), ("agent", "global"),
           (0,), 3.0, 0.0),
     Group("math_hetero", ("experiment=tiny_math_hetero", *MATH), ("solver", "verifier"),
