@@ -5,7 +5,7 @@
                                            [--torch-threads 1]
                                            [--out benchmarks/results/retrieval_latency.json]
 
-Corpus: the kb task's synthetic knowledge base (drmas.tasks.kb) with 50 000 people, i.e.
+Corpus: the kb task's synthetic knowledge base (drmas.teams.search.kb) with 50 000 people, i.e.
 2 passages per person plus 2 000 city passages = 102 000 passages of ~30 characters.
 Queries: the one-hop questions of `--queries` people drawn with a fixed seed, alternating
 "Where was X born?" and "What is X's job?"; the relevant passage is that person's born or
@@ -36,7 +36,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from drmas.tasks import kb
+from drmas.teams.search import kb
 
 TOP_K = 3
 BATCHES = (1, 32)
@@ -133,7 +133,7 @@ def main() -> None:
     result = {
         "what": "retrieval over the kb corpus: build/load seconds, median ms per query, recall@3",
         "passages": passages,
-        "corpus": f"drmas.tasks.kb KBSpec(num_people={args.people}, seed=0)",
+        "corpus": f"drmas.teams.search.kb KBSpec(num_people={args.people}, seed=0)",
         "queries": args.queries,
         "top_k": TOP_K,
         "retrievers": results,

@@ -95,10 +95,23 @@ class SamplingConfig:
 
 @dataclass
 class WorkflowConfig:
-    """The multi-agent workflow an episode runs."""
+    """The team an episode runs (drmas/teams): which one, its prompts, tools and reward."""
 
     name: str = "math"
-    """math: Solver <-> Verifier; search: Verifier -> Search Agent | Answer Agent."""
+    """A registered team: math (Solver <-> Verifier), search (Verifier -> Search Agent |
+    Answer Agent), or one an installed package declares (entry points `drmas.teams`)."""
+    target: str = ""
+    """Your own team class instead of `name`: package.module:Class or path/to/file.py:Class
+    (a relative file resolves against the --config file's folder, else the working
+    directory)."""
+    reward: str = ""
+    """Replace the team's reward: a function (task, answer or None) -> float, given as
+    package.module:fn or path/to/file.py:fn."""
+    tools: dict[str, str] = field(default_factory=dict)
+    """Extra tools: name -> async function (argument text -> result text), as a target.
+    The search team's `search` tool (the retriever) may be replaced this way."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Free settings of your own team (read as self.cfg.options)."""
     max_loops: int = 2
     """math: Solver/Verifier rounds; the Verifier is skipped on the last one."""
     max_turns: int = 4

@@ -27,9 +27,7 @@ from typing import TypeVar
 
 from drmas.actors.engines import ReceivesWeights, RollsBack, make_engine
 from drmas.actors.engines.base import Engine
-from drmas.actors.workflows.base import TeamWorkflow
-from drmas.actors.workflows.math import MathWorkflow
-from drmas.launch.config import DrmasConfig
+from drmas.launch.config import DrmasConfig, team_class
 from drmas.models.config import weights_dtype
 from drmas.protocol.messages import (
     Accepted,
@@ -46,6 +44,7 @@ from drmas.protocol.messages import (
     WeightsLoaded,
     pack_group,
 )
+from drmas.teams.base import Team
 from drmas.transports.channel import BrokerClient, BrokerRefused, BrokerUnavailable
 from drmas.transports.weights import NamedTensors, WeightReceiver
 
@@ -93,7 +92,7 @@ class Actor:
             security=cfg.security,
         )
         self.engines: dict[str, Engine] = {}
-        self.workflow: TeamWorkflow | None = None
+        self.workflow: Team | None = None
         self.running: dict[int, asyncio.Task[list[Episode]]] = {}
         self.leases: dict[int, Lease] = {}
         self.started_at: dict[int, float] = {}
@@ -354,23 +353,11 @@ def make_workflow(
     agent_models: dict[str, str],
     engines: dict[str, Engine],
     tokenizers: dict[str, object],
-) -> TeamWorkflow:
-    """The configured team workflow; the search team also gets its retriever (a local
-    bm25/dense index, loaded from the cache `drmas train` built, or an HTTP server)."""
-    if cfg.workflow.name == "math":
-        return MathWorkflow(cfg.workflow, agent_models, engines, tokenizers)
-    if cfg.workflow.name == "search":
-        from drmas.actors.workflows.search import SearchWorkflow
-        from drmas.retrieval import build_retriever, resolve_corpus_path
-        from drmas.retrieval.batching import BatchingRetriever
-
-        r = cfg.retriever
-        corpus = resolve_corpus_path(r, cfg.task, cfg.run.cache_dir or None)
-        backend = BatchingRetriever(
-            build_retriever(r, corpus), top_k=r.top_k, max_batch=r.max_batch, timeout_s=r.timeout_s
-        )
-        return SearchWorkflow(cfg.workflow, agent_models, engines, tokenizers, backend)
-    raise ValueError(f"unknown workflow {cfg.workflow.name!r}")
+) -> Team:
+    """The configured team (`workflow.name` or `workflow.target`) with its tools (the
+    search team's retriever: a local bm25/dense index, loaded from the cache `drmas train`
+    built, or an HTTP server) and `workflow.reward`."""
+    return team_class(cfg.workflow).build(cfg, agent_models, engines, tokenizers)
 
 
 def default_actor_id() -> str:

@@ -35,7 +35,7 @@ from drmas.broker.samples import SampleWriter, transcript_markdown
 from drmas.broker.state import BrokerState
 from drmas.broker.trackers import FanOut, make_sink
 from drmas.checkpoints.broker_state import BrokerCheckpoints
-from drmas.launch.config import DrmasConfig, config_dict
+from drmas.launch.config import DrmasConfig, config_dict, team_class
 from drmas.protocol import (
     PROTOCOL_VERSION,
     Limits,
@@ -108,9 +108,9 @@ class BrokerServer:
             agent_models=dict(self.state.agent_models),
             vocab_sizes=vocab_sizes(cfg),
             max_response_tokens=cfg.sampling.max_new_tokens,
-            # generous bound on a workflow's calls per episode (math: 2 per loop; search: 2
-            # per turn); a runaway workflow is refused rather than trained on
-            max_steps_per_episode=4 * max(cfg.workflow.max_loops, cfg.workflow.max_turns) + 4,
+            # a bound on the team's calls per episode: a runaway team is refused rather than
+            # trained on
+            max_steps_per_episode=team_class(cfg.workflow).max_steps_per_episode(cfg.workflow),
         )
         self.ctx = zmq.Context()
         self.sock, self.address = bind_router(

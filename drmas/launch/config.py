@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from drmas.actors.config import ActorConfig, EngineName, SamplingConfig, WorkflowConfig
 from drmas.broker.config import AdvantageConfig, AdvantageMode, BrokerConfig
@@ -21,7 +21,11 @@ from drmas.learners.config import ISCorrection, LearnerConfig, LossAgg, LossConf
 from drmas.models.config import PRECISIONS, ModelConfig
 from drmas.retrieval.config import RETRIEVERS, RetrieverConfig
 from drmas.tasks.config import TaskConfig
+from drmas.teams.loader import TargetError, absolute_target, load_object, registered_teams
 from drmas.transports.config import SecurityConfig, WeightSyncConfig
+
+if TYPE_CHECKING:
+    from drmas.teams.base import Team
 
 
 class ConfigError(ValueError):
@@ -151,25 +155,47 @@ class DrmasConfig:
         return lrs.pop() if lrs else self.models[model].lr
 
 
-WORKFLOW_AGENTS = {
-    "math": ("solver", "verifier"),
-    "search": ("verifier", "searcher", "answerer"),
-}
+def team_class(cfg: WorkflowConfig) -> type[Team]:
+    """The team class of `workflow.target`, else of the registered `workflow.name`."""
+    from drmas.teams.base import Team
+
+    if cfg.target:
+        what, target = "workflow.target", cfg.target
+    else:
+        teams = registered_teams()
+        if cfg.name not in teams:
+            raise ConfigError(
+                f"workflow.name={cfg.name!r} is not a registered team {sorted(teams)}; for "
+                "your own team set workflow.target=package.module:Class or "
+                "path/to/file.py:Class"
+            )
+        what, target = "workflow.name", teams[cfg.name]
+    try:
+        cls = load_object(target, what)
+    except (TargetError, ImportError, SyntaxError) as exc:
+        raise ConfigError(str(exc)) from exc
+    if not (isinstance(cls, type) and issubclass(cls, Team)):
+        raise ConfigError(f"{what}={target!r} is not a subclass of drmas.teams.Team")
+    for attr in ("name", "agents", "default_instructions", "layout"):
+        if not hasattr(cls, attr):
+            raise ConfigError(f"team {target!r} does not declare {attr!r} (see docs/own-team.md)")
+    return cls
 
 
 def check(cfg: DrmasConfig) -> None:
     """Cross-field rules; drops models no agent uses. Raises ConfigError saying what to fix."""
     if not cfg.agents:
         raise ConfigError("no agents configured: pick an experiment, e.g. experiment=tiny_math")
-    if cfg.workflow.name not in WORKFLOW_AGENTS:
-        raise ConfigError(
-            f"workflow.name={cfg.workflow.name!r} is not one of {list(WORKFLOW_AGENTS)}"
-        )
-    expected = set(WORKFLOW_AGENTS[cfg.workflow.name])
+    team = team_class(cfg.workflow)
+    if cfg.workflow.target:
+        cfg.workflow.name = team.name  # what logs and the run's config call it
+    expected = set(team.agents)
     if set(cfg.agents) != expected:
+        missing, extra = sorted(expected - set(cfg.agents)), sorted(set(cfg.agents) - expected)
         raise ConfigError(
-            f"workflow {cfg.workflow.name!r} has agents {sorted(expected)}, "
-            f"config defines {sorted(cfg.agents)}"
+            f"the {team.name} team has agents {sorted(expected)}, the config's `agents` names "
+            f"{sorted(cfg.agents)} (missing {missing}, not in the team {extra}): bind each of "
+            "the team's agents to a model, e.g. agents.NAME.model=MODEL"
         )
     for name, agent in cfg.agents.items():
         if agent.model not in cfg.models:
@@ -199,10 +225,7 @@ def check(cfg: DrmasConfig) -> None:
         "actor.engine.device": (cfg.actor.engine.device, device),
         "actor.engine.dtype": (cfg.actor.engine.dtype, ("float32", "bfloat16", "float16")),
         "learner.device": (cfg.learner.device, device),
-        "workflow.name": (cfg.workflow.name, tuple(WORKFLOW_AGENTS)),
-        "workflow.prompt_style": (cfg.workflow.prompt_style, ("plain", "chat")),
-        "task.name": (cfg.task.name, ("arithmetic", "kb", "jsonl", "parquet")),
-        "workflow.on_invalid": (cfg.workflow.on_invalid, ("continue", "end")),
+        "workflow.prompt_style": (cfg.workflow.prompt_style, tuple(team.default_instructions)),
         "retriever.name": (cfg.retriever.name, RETRIEVERS),
         "weights.backend": (cfg.weights.backend, ("auto", "gloo", "nccl")),
         "placement.share": (cfg.placement.share, SHARE_MODES),
@@ -293,8 +316,9 @@ def check(cfg: DrmasConfig) -> None:
             f"task.name={cfg.task.name} needs task.train_path=FILE (and optionally "
             "task.val_path=FILE for validation)"
         )
-    if cfg.workflow.name == "search":
-        _check_search(cfg)
+    _check_task(cfg)
+    _check_plugins(cfg)
+    team.check_config(cfg)
     _check_probe(cfg)
     if cfg.group_size < 2 and cfg.algorithm.advantage.scope == "group":
         raise ConfigError("group_size must be >= 2 for group-relative advantages")
@@ -330,18 +354,48 @@ def _check_probe(cfg: DrmasConfig) -> None:
         )
 
 
-def _check_search(cfg: DrmasConfig) -> None:
-    """The search team needs somewhere to search: a corpus (bm25/dense) or a server (http)."""
-    r = cfg.retriever
-    if r.timeout_s <= 0:
-        raise ConfigError(f"retriever.timeout_s must be > 0, got {r.timeout_s}")
-    if r.name == "http" and not r.url:
-        raise ConfigError("retriever.name=http needs retriever.url (e.g. http://127.0.0.1:8000)")
-    if r.name != "http" and not r.corpus_path and cfg.task.name != "kb":
-        raise ConfigError(
-            f"retriever.name={r.name} needs retriever.corpus_path (a JSONL of id, title, text) "
-            "unless task.name=kb, whose generated corpus is used"
+def _check_plugins(cfg: DrmasConfig) -> None:
+    """`workflow.reward` and `workflow.tools` name loadable functions (tools: async ones)."""
+    import inspect
+
+    named = {f"workflow.tools.{n}": t for n, t in cfg.workflow.tools.items()}
+    if cfg.workflow.reward:
+        named["workflow.reward"] = cfg.workflow.reward
+    for key, target in named.items():
+        try:
+            fn = load_object(target, key)
+        except (TargetError, ImportError, SyntaxError) as exc:
+            raise ConfigError(str(exc)) from exc
+        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004 - an instance may be the tool
         )
+        if not callable(fn) or (key != "workflow.reward" and not is_async):
+            kind = (
+                "a function (task, answer) -> float"
+                if key == "workflow.reward"
+                else ("an async function (argument: str) -> str")
+            )
+            raise ConfigError(f"{key}={target!r} must be {kind}")
+
+
+def _check_task(cfg: DrmasConfig) -> None:
+    """A built-in task source, a file kind, or a loadable function target."""
+    from drmas.tasks.source import BUILTIN_SOURCES, FILE_KINDS
+
+    name = cfg.task.name
+    if name in BUILTIN_SOURCES or name in FILE_KINDS:
+        return
+    if ":" not in name:
+        raise ConfigError(
+            f"task.name={name!r}: choose {', '.join([*BUILTIN_SOURCES, *FILE_KINDS])}, or give "
+            "your own task source as package.module:fn or path/to/file.py:fn"
+        )
+    try:
+        fn = load_object(name, "task.name")
+    except (TargetError, ImportError, SyntaxError) as exc:
+        raise ConfigError(str(exc)) from exc
+    if not callable(fn):
+        raise ConfigError(f"task.name={name!r} is not a function (TaskConfig) -> (train, val)")
 
 
 def config_dir() -> Path:
@@ -360,7 +414,26 @@ def register() -> None:
 
 # Free-form mappings that start empty: hydra refuses `key={...}` on them ("use +key"), so
 # their plain overrides are taken as `++key=...` (set or replace).
-_FREE_MAPPINGS = ("probe.rewards",)
+_FREE_MAPPINGS = ("probe.rewards", "workflow.tools", "workflow.options", "task.options")
+
+TARGET_KEYS = ("workflow.target", "workflow.reward", "task.name")
+"""Options that may name a file (path/to/file.py:Name); `workflow.tools.*` too."""
+
+
+def _absolute_targets(merged: Any, overrides: list[str], config_file: Path | None) -> None:
+    """Make `file.py:Name` targets absolute, so every process of the run (started anywhere,
+    reading the run's config.yaml) loads the same file: a target written in a --config
+    file is relative to that file's folder, one given on the command line to the working
+    directory."""
+    from omegaconf import OmegaConf
+
+    given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    tools = OmegaConf.select(merged, "workflow.tools") or {}
+    for key in (*TARGET_KEYS, *(f"workflow.tools.{name}" for name in tools)):
+        value = OmegaConf.select(merged, key)
+        if isinstance(value, str) and value:
+            base = config_file.parent if config_file and key not in given else Path.cwd()
+            OmegaConf.update(merged, key, absolute_target(value, base))
 
 
 def _free_mapping_override(override: str) -> str:
@@ -392,10 +465,12 @@ def load_config(overrides: list[str], config_file: str | None = None) -> DrmasCo
             merged = OmegaConf.merge(schema, OmegaConf.load(path))
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
         else:
+            path = None
             with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
                 merged = compose(
                     config_name="config", overrides=[_free_mapping_override(o) for o in overrides]
                 )
+        _absolute_targets(merged, overrides, path)
         obj = OmegaConf.to_object(merged)
     except (HydraException, OmegaConfBaseException) as exc:
         hint = ""

@@ -28,12 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-from drmas.launch.config import DrmasConfig, to_yaml
+from drmas.launch.config import DrmasConfig, team_class, to_yaml
 from drmas.launch.placement import Placement, plan_placement, visible_gpus
 from drmas.launch.ports import free_port
 from drmas.launch.progress import Progress
 from drmas.launch.supervisor import Supervisor
-from drmas.retrieval.config import RetrieverConfig
 
 
 def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path, Placement | None]:
@@ -62,7 +61,7 @@ def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path, Placement | None]:
         )
         for name, m in cfg.models.items()
     }
-    retriever = prepare_retriever(cfg)
+    retriever = team_class(cfg.workflow).prepare(cfg).retriever
     address = cfg.broker.address
     if address.endswith(":0"):
         host = address.rsplit(":", 1)[0]
@@ -78,20 +77,6 @@ def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path, Placement | None]:
     )
     (run_dir / "config.yaml").write_text(to_yaml(resolved))
     return resolved, run_dir, placement
-
-
-def prepare_retriever(cfg: DrmasConfig) -> RetrieverConfig:
-    """Search team with a local index: fix the corpus path (generating the synthetic one for
-    task.name=kb) and build the index once here, so actors load it from the cache instead
-    of each building it."""
-    if cfg.workflow.name != "search" or cfg.retriever.name == "http":
-        return cfg.retriever
-    from drmas.retrieval import build_retriever, resolve_corpus_path
-
-    corpus = resolve_corpus_path(cfg.retriever, cfg.task, cfg.run.cache_dir or None)
-    assert corpus is not None  # only http has no corpus
-    build_retriever(cfg.retriever, corpus).close()
-    return dataclasses.replace(cfg.retriever, corpus_path=str(Path(corpus).resolve()))
 
 
 def start_children(

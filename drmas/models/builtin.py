@@ -4,8 +4,9 @@
 laptop CPU. An untrained model never writes a parseable `\\boxed{}` answer, so RL would
 see reward 0 everywhere and learn nothing; the warm start (warmstart.py) teaches it one
 team's plain transcript format: the math team's on generated arithmetic
-(math_transcripts.py) or the search team's on a synthetic knowledge base
-(search_transcripts.py), chosen by `WarmStartConfig.workflow`. The team also picks the
+(drmas/teams/math/transcripts.py) or the search team's on a synthetic knowledge base
+(drmas/teams/search/transcripts.py), chosen by `WarmStartConfig.workflow` (a name below,
+or a target package.module:SOURCE naming a TranscriptSource of your own team). The team also picks the
 tokenizer (vocab.py): one token per character for math, the words of its transcripts for
 search (its agents copy names, which is one token each then).
 
@@ -28,19 +29,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from drmas.cache import default_cache_dir
 from drmas.filelock import file_lock
-from drmas.models import math_transcripts, search_transcripts
 from drmas.models.config import WarmStartConfig
 from drmas.models.hub import looks_like_hub_id, resolve_hub_id
-
-# Re-exported: tests and benchmarks import the math warm start's pieces from here.
-from drmas.models.math_transcripts import (  # noqa: F401
-    ARITHMETIC,
-    ArithmeticSpec,
-    arithmetic_question,
-    solver_accuracy,
-    transcript,
-)
 from drmas.models.vocab import (
     ALPHABET,
     SPECIAL_TOKENS,
@@ -54,6 +46,15 @@ from drmas.models.warmstart import (  # noqa: F401
     response_loss,
     transcript_batch,
     warm_start,
+)
+
+# Re-exported: tests and benchmarks import the math warm start's pieces from here.
+from drmas.teams.math.transcripts import (  # noqa: F401
+    ARITHMETIC,
+    ArithmeticSpec,
+    arithmetic_question,
+    solver_accuracy,
+    transcript,
 )
 
 if TYPE_CHECKING:
@@ -89,20 +90,27 @@ whose agents run models of different sizes, e.g. a larger Verifier)."""
 
 ARCHITECTURES = {"tiny-qwen2": TINY_QWEN2, "small-qwen2": SMALL_QWEN2}
 
-WARM_STARTS: dict[str, TranscriptSource] = {
-    "math": math_transcripts.SOURCE,
-    "search": search_transcripts.SOURCE,
-    "search_queries": search_transcripts.SOURCE_QUERIES,
+WARM_STARTS: dict[str, str | TranscriptSource] = {
+    "math": "drmas.teams.math.transcripts:SOURCE",
+    "search": "drmas.teams.search.transcripts:SOURCE",
+    "search_queries": "drmas.teams.search.transcripts:SOURCE_QUERIES",
 }
-"""WarmStartConfig.workflow -> the team whose transcripts the warm start trains on."""
+"""WarmStartConfig.workflow -> the transcripts the warm start trains on (loaded on use)."""
+
+
+def transcript_source(workflow: str) -> TranscriptSource:
+    """The TranscriptSource of `warmstart.workflow`: a name in WARM_STARTS or a target."""
+    from drmas.teams.loader import load_object
+
+    entry = WARM_STARTS.get(workflow, workflow)
+    source = load_object(entry, "warmstart.workflow") if isinstance(entry, str) else entry
+    if not isinstance(source, TranscriptSource):
+        raise TypeError(f"warmstart.workflow={workflow!r} is not a TranscriptSource")
+    return source
 
 
 # ---------------------------------------------------------------------------------------
 # Public entry point
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("DRMAS_CACHE") or Path.home() / ".cache" / "drmas")
 
 
 def resolve_model_path(
@@ -131,19 +139,17 @@ def resolve_model_path(
 
 def cache_key(name: str, warmstart: WarmStartConfig) -> str:
     """Folder name: the builtin's name and a hash of everything that determines its bytes."""
+    source = transcript_source(warmstart.workflow)
     spec = {
         "name": name,
         "architecture": ARCHITECTURES[name],
         "special_tokens": SPECIAL_TOKENS,
         "alphabet": ALPHABET,
-        "tokenizer": [
-            WARM_STARTS[warmstart.workflow].tokenizer,
-            WARM_STARTS[warmstart.workflow].vocab_size,
-        ],
+        "tokenizer": [source.tokenizer, source.vocab_size],
         # seed 0 stays out, so the default models keep the key they had before seeds
         "warmstart": {k: v for k, v in asdict(warmstart).items() if k != "seed" or v},
-        "transcripts": asdict(WARM_STARTS[warmstart.workflow].spec),
-        "instructions": WARM_STARTS[warmstart.workflow].instructions,
+        "transcripts": asdict(source.spec),
+        "instructions": source.instructions,
         "builder_version": BUILDER_VERSION,
     }
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
@@ -196,7 +202,7 @@ def build_qwen2(folder: Path, warmstart: WarmStartConfig, architecture: dict[str
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    source = WARM_STARTS[warmstart.workflow]
+    source = transcript_source(warmstart.workflow)
     written = make_tokenizer(source)
     config = Qwen2Config(
         vocab_size=len(written),

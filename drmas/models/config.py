@@ -23,13 +23,15 @@ class WarmStartConfig:
     seeds). 0 keeps the default model and its cache key."""
     workflow: str = "math"
     """Which transcripts it trains on: math | search (every search-team agent) |
-    search_queries (the Search Agent's calls only). The defaults above are math's; a
+    search_queries (the Search Agent's calls only) | package.module:SOURCE (your own
+    team's drmas.models.warmstart.TranscriptSource). The defaults above are math's; a
     search run sets its own steps, batch_size and lr."""
 
     def __post_init__(self) -> None:
-        if self.workflow not in WARMSTART_WORKFLOWS:
+        if self.workflow not in WARMSTART_WORKFLOWS and ":" not in self.workflow:
             raise ValueError(
-                f"warmstart.workflow={self.workflow!r}: expected one of {WARMSTART_WORKFLOWS}"
+                f"warmstart.workflow={self.workflow!r}: expected one of {WARMSTART_WORKFLOWS} "
+                "or a target package.module:SOURCE naming a TranscriptSource"
             )
 
 

@@ -111,7 +111,7 @@ def resolve_corpus_path(
             )
         return path
     if task_cfg.name == "kb":
-        from drmas.tasks import kb  # None -> default_cache_dir(), as for builtin models
+        from drmas.teams.search import kb  # None -> default_cache_dir(), as for builtin models
 
         spec = kb.KBSpec(num_people=task_cfg.kb_num_people, seed=task_cfg.seed)
         return Path(kb.ensure_corpus(spec, cache_dir or None))

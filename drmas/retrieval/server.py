@@ -20,8 +20,10 @@ import contextlib
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +41,11 @@ MAX_QUERY_CHARS = 4096
 """A longer query is refused (400)."""
 SOCKET_TIMEOUT_S = 30.0
 """Every read and write on a connection; an idle keep-alive connection closes after it."""
+REFUSERS = 8
+"""Connections over the cap answered 503 at once (each by a thread for at most ~2 s); more
+than that are closed unanswered."""
+REFUSAL_DRAIN_BYTES = 1 << 20
+"""Request bytes read from a refused connection before it is closed anyway."""
 
 
 class Limits:
@@ -77,11 +84,24 @@ class _BoundedServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
         super().__init__(address, handler)
         self.slots = threading.BoundedSemaphore(max_connections)
+        self.refusing = threading.BoundedSemaphore(REFUSERS)
         self.refused = 0
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
             self.refused += 1
+            if self.refusing.acquire(blocking=False):  # answered 503 off the accept loop
+                threading.Thread(target=self._refuse, args=(request,), daemon=True).start()
+            else:  # a flood: beyond REFUSERS at once, closed without an answer
+                self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def _refuse(self, request: Any) -> None:
+        """503, then read what the client is still sending before closing: closing a socket
+        with unread data resets the connection, and the client would see a broken pipe
+        instead of the answer."""
+        try:
             with contextlib.suppress(OSError):
                 request.settimeout(1.0)
                 body = b'{"error": "too many connections; retry later"}'
@@ -90,9 +110,16 @@ class _BoundedServer(ThreadingHTTPServer):
                     b"Connection: close\r\nContent-Length: " + str(len(body)).encode()
                     + b"\r\n\r\n" + body
                 )  # fmt: skip
+                request.shutdown(socket.SHUT_WR)
+                deadline, drained = time.monotonic() + 1.0, 0
+                while time.monotonic() < deadline and drained < REFUSAL_DRAIN_BYTES:
+                    chunk = request.recv(65536)
+                    if not chunk:
+                        break
+                    drained += len(chunk)
             self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
+        finally:
+            self.refusing.release()
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -11,7 +12,8 @@ class TaskConfig:
 
     name: str = "arithmetic"
     """arithmetic: synthetic a+b; kb: synthetic knowledge-base questions (search team);
-    jsonl/parquet: local files with question and answer(s)."""
+    jsonl/parquet: local files with question and answer(s); or your own task source, a
+    function (TaskConfig) -> (train, val) given as package.module:fn or path/to/file.py:fn."""
     train_path: str = ""
     """jsonl/parquet: training file."""
     val_path: str = ""
@@ -36,3 +38,5 @@ class TaskConfig:
     """Seed of the training order alone (None: `seed`). Varies the task stream while the
     tasks and the held-out split stay those of `seed`: the built-in warm starts leave out
     the held-out questions of seed 0, so a seed study varies this one, not `seed`."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Free settings of your own task source (read as cfg.options)."""

@@ -5,9 +5,15 @@ order that is a pure function of (seed, e), so the cursor `(epoch, index)` is al
 needs to save to resume exactly after a restart. Tasks handed back (a dead actor's lease,
 a group dropped as stale) go to the front and are served before the cursor moves on.
 
-Task ids are `{name}:{split}:{i}` (name = `arithmetic`, `kb` or the file's stem; i =
-position among the file's records or in the generated set), stable across runs and unique
-across the train and validation splits. A task with several gold answers (QA data: NQ's
+Where tasks come from (`task.name`): a built-in source (arithmetic, kb: the math and search
+teams' synthetic tasks), local files (jsonl, parquet: `load_file`), or your own function
+`(TaskConfig) -> (train, val)` given as a target (package.module:fn, path/to/file.py:fn)
+whose items are Tasks or mappings with a question and an answer (or answers) and
+optionally an id and a source.
+
+Task ids are `{name}:{split}:{i}` (name = `arithmetic`, `kb`, the file's stem or the
+function's name; i = position among the records), stable across runs and unique across
+the train and validation splits. A task with several gold answers (QA data: NQ's
 `golden_answers` list, the synthetic knowledge base's aliases) carries them all in
 `Task.answers`; `Task.answer` is the first.
 """
@@ -22,10 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from drmas.protocol.messages import Task
-from drmas.tasks import arithmetic
 from drmas.tasks.config import TaskConfig
+from drmas.teams.loader import load_object
 
 FILE_KINDS = ("jsonl", "parquet")
+BUILTIN_SOURCES = {
+    "arithmetic": "drmas.teams.math.arithmetic:task_source",
+    "kb": "drmas.teams.search.kb:task_source",
+}
+"""task.name -> the function that builds it (loaded the way your own source is)."""
 
 
 class TaskFileError(ValueError):
@@ -41,6 +52,8 @@ class TaskSource:
         if not self.train:
             raise ValueError(f"task source {cfg.name!r} has no training tasks")
         self._by_id = {task.task_id: task for task in (*self.train, *self.val)}
+        if len(self._by_id) != len(self.train) + len(self.val):
+            raise ValueError(f"task source {cfg.name!r}: a task id is in both train and val")
         self._epoch = 0
         self._index = 0
         self._order = self._epoch_order(0)
@@ -117,17 +130,6 @@ class TaskSource:
 
 # ---------------------------------------------------------------------- building
 def _build(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
-    if cfg.name == "arithmetic":
-        train, val = arithmetic.generate(
-            cfg.num_train, cfg.num_val, cfg.max_operand, cfg.num_ops, cfg.seed
-        )
-        return _arithmetic_tasks(train, "train"), _arithmetic_tasks(val, "val")
-    if cfg.name == "kb":
-        from drmas.tasks.kb import KBSpec, tasks
-
-        spec = KBSpec(num_people=cfg.kb_num_people, seed=cfg.seed)
-        train_qa, val_qa = tasks(spec, cfg.num_val)
-        return _kb_tasks(train_qa, "train"), _kb_tasks(val_qa, "val")
     if cfg.name in FILE_KINDS:
         if not cfg.train_path:
             raise ValueError(f"task.name={cfg.name} needs task.train_path")
@@ -135,21 +137,58 @@ def _build(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
         train_tasks = load_file(cfg.train_path, "train", *keys)
         val_tasks = load_file(cfg.val_path, "val", *keys) if cfg.val_path else []
         return train_tasks, val_tasks
-    raise ValueError(f"unknown task source {cfg.name!r}; choose arithmetic, kb, jsonl or parquet")
+    target = BUILTIN_SOURCES.get(cfg.name, cfg.name)
+    if ":" not in target:
+        raise ValueError(
+            f"unknown task source {cfg.name!r}; choose "
+            f"{', '.join([*BUILTIN_SOURCES, *FILE_KINDS])} or give your own as "
+            "package.module:fn or path/to/file.py:fn"
+        )
+    make = load_object(target, "task.name")
+    if not callable(make):
+        raise TypeError(f"task.name={cfg.name!r} is not a function (TaskConfig) -> (train, val)")
+    built = make(cfg)
+    if not (isinstance(built, tuple) and len(built) == 2):
+        raise TaskFileError(
+            f"task source {cfg.name!r} returned {type(built).__name__}; return (train, val): "
+            "two lists of Tasks or of mappings with question and answer"
+        )
+    prefix = getattr(make, "__name__", "tasks")
+    return _as_tasks(built[0], prefix, "train", cfg.name), _as_tasks(
+        built[1], prefix, "val", cfg.name
+    )
 
 
-def _arithmetic_tasks(problems: list[arithmetic.Problem], split: str) -> list[Task]:
-    return [
-        Task(f"arithmetic:{split}:{i}", p.question, p.answer, "arithmetic")
-        for i, p in enumerate(problems)
-    ]
-
-
-def _kb_tasks(questions: list[Any], split: str) -> list[Task]:
-    return [
-        Task(f"kb:{split}:{i}", q.question, q.answers[0], "kb", list(q.answers))
-        for i, q in enumerate(questions)
-    ]
+def _as_tasks(items: Any, prefix: str, split: str, name: str) -> list[Task]:
+    """A task function's items as Tasks (mappings: question, answer or answers, and
+    optionally id and source)."""
+    tasks = []
+    for i, item in enumerate(items):
+        if isinstance(item, Task):
+            tasks.append(item)
+            continue
+        if not isinstance(item, Mapping) or "question" not in item:
+            raise TaskFileError(
+                f"task source {name!r}, {split} item {i}: expected a Task or a mapping with "
+                f"question and answer, got {item!r:.80}"
+            )
+        raw = item.get("answers", item.get("answer"))
+        answers = all_answers(raw)
+        question = item["question"]
+        if not isinstance(question, str) or not question.strip() or not answers:
+            raise TaskFileError(
+                f"task source {name!r}, {split} item {i}: needs a non-empty question and "
+                f"answer, got {item!r:.80}"
+            )
+        source = item.get("source") or prefix
+        task_id = str(item.get("id") or f"{prefix}:{split}:{i}")
+        tasks.append(
+            Task(task_id, question, answers[0], str(source), answers if len(answers) > 1 else [])
+        )
+    ids = [t.task_id for t in tasks]
+    if len(set(ids)) != len(ids):
+        raise TaskFileError(f"task source {name!r}: {split} task ids are not unique")
+    return tasks
 
 
 def load_file(

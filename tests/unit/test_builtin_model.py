@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drmas.actors.workflows import math_prompts as mp
 from drmas.models import builtin
 from drmas.models.config import WarmStartConfig
+from drmas.teams.math import prompts as mp
 
 torch.set_num_threads(1)
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from drmas.tasks.grading import as_number, grade
+from drmas.teams.math.grading import as_number, grade
 
 
 @pytest.mark.parametrize(

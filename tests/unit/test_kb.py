@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from drmas.tasks import kb
-from drmas.tasks.kb import KBSpec
+from drmas.teams.search import kb
+from drmas.teams.search.kb import KBSpec
 
 SPEC = KBSpec(num_people=300, seed=7)
 

@@ -11,11 +11,11 @@ import pytest
 
 from drmas.actors.config import WorkflowConfig
 from drmas.actors.engines.base import Engine, GenerateRequest, GenerateResult
-from drmas.actors.workflows.math import MathWorkflow
-from drmas.actors.workflows.math_prompts import INSTRUCTIONS, TINY_INSTRUCTIONS
 from drmas.protocol.arrays import unpack_ids, unpack_logprobs
 from drmas.protocol.messages import Episode, SamplingParams, Task
 from drmas.protocol.validate import Limits, check_step
+from drmas.teams.math.prompts import INSTRUCTIONS, TINY_INSTRUCTIONS
+from drmas.teams.math.workflow import MathTeam
 
 TASK = Task(task_id="arithmetic:train:0", question="2+3", answer="5", source="arithmetic")
 SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=32)
@@ -98,12 +98,12 @@ def _workflow(
     agent_models: dict[str, str],
     engines: dict[str, Any],
     tokenizers: dict[str, CharTokenizer],
-) -> MathWorkflow:
+) -> MathTeam:
     """The fakes implement only `generate`, all a workflow calls."""
-    return MathWorkflow(cfg, agent_models, cast(dict[str, Engine], engines), dict(tokenizers))
+    return MathTeam(cfg, agent_models, cast(dict[str, Engine], engines), dict(tokenizers))
 
 
-def _shared(script: dict[str, list[Any]], **cfg: Any) -> tuple[MathWorkflow, ScriptedEngine]:
+def _shared(script: dict[str, list[Any]], **cfg: Any) -> tuple[MathTeam, ScriptedEngine]:
     tok = CharTokenizer()
     engine = ScriptedEngine("m", tok, script)
     workflow = _workflow(
@@ -115,7 +115,7 @@ def _shared(script: dict[str, list[Any]], **cfg: Any) -> tuple[MathWorkflow, Scr
     return workflow, engine
 
 
-def _run(workflow: MathWorkflow) -> Episode:
+def _run(workflow: MathTeam) -> Episode:
     return asyncio.run(workflow.run_episode(TASK, SAMPLING))
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from drmas.actors.workflows.search_prompts import (
+from drmas.teams.search.prompts import (
     MAX_QUERY_CHARS,
     parse_answer,
     parse_search,
     parse_verdict,
     render_passages,
 )
-from drmas.tasks.qa import exact_match, f1_score, normalize_answer
+from drmas.teams.search.qa import exact_match, f1_score, normalize_answer
 
 
 @pytest.mark.parametrize(

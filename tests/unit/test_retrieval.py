@@ -141,8 +141,8 @@ def test_resolve_corpus_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         return given
 
     fake = types.SimpleNamespace(KBSpec=lambda **kw: kw, ensure_corpus=ensure_corpus)
-    monkeypatch.setitem(sys.modules, "drmas.tasks.kb", fake)
-    monkeypatch.setattr("drmas.tasks.kb", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "drmas.teams.search.kb", fake)
+    monkeypatch.setattr("drmas.teams.search.kb", fake, raising=False)
     kb_task = TaskConfig(name="kb", kb_num_people=7, seed=3)
     assert resolve_corpus_path(RetrieverConfig(), kb_task, "/c") == given
     assert resolve_corpus_path(RetrieverConfig(), kb_task, None) == given

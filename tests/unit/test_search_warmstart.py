@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from drmas.actors.workflows import search_prompts as sp
 from drmas.models import builtin
-from drmas.models import search_transcripts as st
 from drmas.models.config import WarmStartConfig
-from drmas.tasks import kb
+from drmas.teams.search import kb
+from drmas.teams.search import prompts as sp
+from drmas.teams.search import transcripts as st
 
 torch.set_num_threads(1)
 
@@ -310,6 +310,6 @@ def test_search_agent_warm_start_mixes_full_name_and_surname_queries() -> None:
     assert all(q is not None and " " in q for q in early_queries), early_queries
     kinds = {st.KINDS[i] for i, w in enumerate(spec.kind_weights[:6]) if w > 0}
     assert kinds == {st.SEARCH_NAME, st.SEARCH_CITY}
-    assert builtin.WARM_STARTS["search_queries"].spec is spec
+    assert builtin.transcript_source("search_queries").spec is spec
     # the team's own warm start still searches the full name every time
     assert st.SEARCH.full_name_query_frac == 1.0

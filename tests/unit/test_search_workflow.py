@@ -12,9 +12,9 @@ import pytest
 
 from drmas.actors.config import WorkflowConfig
 from drmas.actors.engines.base import Engine, GenerateRequest, GenerateResult
-from drmas.actors.workflows.search import SearchWorkflow
-from drmas.actors.workflows.search_prompts import TINY_INSTRUCTIONS
 from drmas.protocol.messages import Episode, SamplingParams, Task
+from drmas.teams.search.prompts import TINY_INSTRUCTIONS
+from drmas.teams.search.workflow import RetrieverTool, SearchTeam
 
 TASK = Task("kb:train:0", "In which country was Bo Taki born?", "Orsa", "kb", ["Orsa", "Orsa Land"])
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=32)
@@ -87,18 +87,19 @@ INDEX = {
 
 def _workflow(
     script: dict[str, list[str]], **cfg: Any
-) -> tuple[SearchWorkflow, ScriptedEngine, FakeRetriever]:
+) -> tuple[SearchTeam, ScriptedEngine, FakeRetriever]:
     engine, retriever = ScriptedEngine(script), FakeRetriever(INDEX)
     models = {"verifier": "v", "searcher": "s", "answerer": "a"}
     engines = cast(dict[str, Engine], {"v": engine, "s": engine, "a": engine})
     tokenizers: dict[str, object] = {m: engine.tokenizer for m in ("v", "s", "a")}
-    workflow = SearchWorkflow(
-        WorkflowConfig(name="search", **cfg), models, engines, tokenizers, retriever
+    wcfg = WorkflowConfig(name="search", **cfg)
+    workflow = SearchTeam(
+        wcfg, models, engines, tokenizers, {"search": RetrieverTool(retriever, wcfg.prompt_style)}
     )
     return workflow, engine, retriever
 
 
-def _run(workflow: SearchWorkflow, task: Task = TASK) -> Episode:
+def _run(workflow: SearchTeam, task: Task = TASK) -> Episode:
     return asyncio.run(workflow.run_episode(task, SAMPLING))
 
 
@@ -258,9 +259,12 @@ def test_bad_settings_and_bindings_are_refused() -> None:
     engines = cast(dict[str, Engine], {"m": engine})
     tok: dict[str, object] = {"m": engine.tokenizer}
     team = {"verifier": "m", "searcher": "m", "answerer": "m"}
+    tools = {"search": RetrieverTool(retriever, "plain")}
     with pytest.raises(ValueError, match="max_turns"):
-        SearchWorkflow(WorkflowConfig(max_turns=0), team, engines, tok, retriever)
+        SearchTeam(WorkflowConfig(max_turns=0), team, engines, tok, tools)
     with pytest.raises(ValueError, match="on_invalid"):
-        SearchWorkflow(WorkflowConfig(on_invalid="retry"), team, engines, tok, retriever)
+        SearchTeam(WorkflowConfig(on_invalid="retry"), team, engines, tok, tools)
     with pytest.raises(ValueError, match="agents"):
-        SearchWorkflow(WorkflowConfig(), {"solver": "m"}, engines, tok, retriever)
+        SearchTeam(WorkflowConfig(), {"solver": "m"}, engines, tok, tools)
+    with pytest.raises(ValueError, match="needs a 'search' tool"):
+        SearchTeam(WorkflowConfig(), team, engines, tok, {})

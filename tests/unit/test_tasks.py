@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from drmas.protocol.messages import Task
-from drmas.tasks import arithmetic
 from drmas.tasks.config import TaskConfig
 from drmas.tasks.source import TaskFileError, TaskSource, load_file, normalise_answer
+from drmas.teams.math import arithmetic
 
 QUESTION = re.compile(r"\d+([+-]\d+)+")
 

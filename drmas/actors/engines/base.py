@@ -1,6 +1,6 @@
 """The one interface every rollout engine implements (hf, vllm, sglang, sim).
 
-Who calls it: workflows (drmas/actors/workflows) call `generate` from many episode
+Who calls it: workflows (drmas/teams) call `generate` from many episode
 coroutines at once; the engine batches whatever is pending. The actor process calls
 `update_weights` when the broker tells it to join a weight group (the tensors arrive
 through drmas/transports/weights.py).

@@ -28,8 +28,13 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from drmas.filelock import file_lock
+from drmas.protocol.messages import Task
+
+if TYPE_CHECKING:
+    from drmas.tasks.config import TaskConfig
 
 KB_VERSION = 2
 """Bump when the generator's output changes for the same spec (cached corpora are rebuilt)."""
@@ -255,7 +260,7 @@ def ensure_corpus(spec: KBSpec, cache_dir: str | Path | None) -> Path:
     """`<cache>/kb/<key>/corpus.jsonl`, written once: concurrent callers wait on a file
     lock and the file only ever appears complete (temporary name, then rename)."""
     if cache_dir is None:
-        from drmas.models.builtin import default_cache_dir
+        from drmas.cache import default_cache_dir
 
         cache_dir = default_cache_dir()
     folder = Path(cache_dir) / "kb" / corpus_key(spec)
@@ -280,3 +285,17 @@ def _write_jsonl(lines: Iterator[str], path: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def task_source(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
+    """`task.name=kb`: the knowledge base's questions (ids `kb:{split}:{i}`, every alias a
+    gold answer)."""
+    train, val = tasks(KBSpec(num_people=cfg.kb_num_people, seed=cfg.seed), cfg.num_val)
+
+    def as_tasks(questions: list[QA], split: str) -> list[Task]:
+        return [
+            Task(f"kb:{split}:{i}", q.question, q.answers[0], "kb", list(q.answers))
+            for i, q in enumerate(questions)
+        ]
+
+    return as_tasks(train, "train"), as_tasks(val, "val")

@@ -5,11 +5,12 @@ One episode, for loop = 1..max_loops:
     on the last loop stop, else the Verifier reads the team context and answers
     <verify>yes</verify> (stop) or anything else (the rejection stays in the context and
     the Solver tries again). A Verifier reply without a verdict counts as a rejection.
-Reward: 1.0 if the last Solver answer grades correct, else 0.0.
+Reward: 1.0 if the last Solver answer grades correct, else 0.0 (`score`; the config's
+`workflow.reward` may replace it).
 
-Every agent call is one protocol Step (drmas/actors/workflows/base.py: bindings, prompt
+Every agent call is one protocol Step (drmas/teams/base.py: bindings, prompt
 styles, calls). Grading runs on the loop thread, where math_verify can bound its work
-(see drmas/tasks/grading.py); for plain numeric answers it is a microsecond string parse.
+(see drmas/teams/math/grading.py); for plain numeric answers it is a microsecond string parse.
 
 Default instructions: `TINY_INSTRUCTIONS` for the plain style (what the tiny
 character-level model is warm-started on) and `INSTRUCTIONS` for the chat style; entries
@@ -18,11 +19,16 @@ of `WorkflowConfig.instructions` override them per agent.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from drmas.actors.config import WorkflowConfig
 from drmas.actors.engines.base import Engine
-from drmas.actors.workflows import math_prompts
-from drmas.actors.workflows.base import TeamWorkflow
-from drmas.actors.workflows.math_prompts import (
+from drmas.protocol.messages import Episode, SamplingParams, Step, Task
+from drmas.teams.base import Reward, Team, Tool
+from drmas.teams.math import prompts as math_prompts
+from drmas.teams.math.grading import grade
+from drmas.teams.math.prompts import (
     INSTRUCTIONS,
     SOLVER,
     TINY_INSTRUCTIONS,
@@ -30,14 +36,12 @@ from drmas.actors.workflows.math_prompts import (
     parse_boxed,
     parse_verdict,
 )
-from drmas.protocol.messages import Episode, SamplingParams, Step, Task
-from drmas.tasks.grading import grade
 
 AGENTS = (SOLVER, VERIFIER)
 DEFAULT_INSTRUCTIONS = {"plain": TINY_INSTRUCTIONS, "chat": INSTRUCTIONS}
 
 
-class MathWorkflow(TeamWorkflow):
+class MathTeam(Team):
     """Solver <-> Verifier episodes over per-model engines and tokenizers."""
 
     name = "math"
@@ -49,12 +53,14 @@ class MathWorkflow(TeamWorkflow):
         self,
         cfg: WorkflowConfig,
         agent_models: dict[str, str],
-        engines: dict[str, Engine],
-        tokenizers: dict[str, object],
+        engines: Mapping[str, Engine],
+        tokenizers: Mapping[str, Any],
+        tools: Mapping[str, Tool] | None = None,
+        reward: Reward | None = None,
     ) -> None:
         if cfg.max_loops < 1:
             raise ValueError(f"workflow.max_loops must be >= 1, got {cfg.max_loops}")
-        super().__init__(cfg, agent_models, engines, tokenizers)
+        super().__init__(cfg, agent_models, engines, tokenizers, tools, reward)
 
     async def run_episode(self, task: Task, sampling: SamplingParams) -> Episode:
         turns: list[tuple[str, str]] = []
@@ -75,5 +81,7 @@ class MathWorkflow(TeamWorkflow):
             turns.append((VERIFIER, text))
             if verdict:
                 break
-        reward = 1.0 if grade(answer, task.answer) else 0.0
-        return Episode(steps=steps, reward=reward)
+        return Episode(steps=steps, reward=self.reward(task, answer))
+
+    def score(self, task: Task, answer: str | None) -> float:
+        return 1.0 if grade(answer, task.answer) else 0.0

@@ -1,4 +1,4 @@
-"""How a team's prompts are laid out, shared by every workflow's prompt module.
+"""How a team's prompts are laid out, shared by every team's prompt module.
 
 plain (what the tiny builtin models are warm-started on):
 
@@ -24,15 +24,19 @@ class TeamLayout:
     role_suffix: str = ""
     """Appended to the label in the chat style's closing line (" agent")."""
 
+    def label(self, who: str) -> str:
+        """The label of an agent, tool or other context entry (unlisted: its capitalised key)."""
+        return self.labels.get(who) or who.capitalize()
+
     def context_lines(self, turns: Sequence[tuple[str, str]]) -> str:
         """Team context: one `Label: text` line per earlier entry."""
-        return "".join(f"{self.labels[who]}: {text.strip()}\n" for who, text in turns)
+        return "".join(f"{self.label(who)}: {text.strip()}\n" for who, text in turns)
 
     def plain_prompt(
         self, agent: str, question: str, turns: Sequence[tuple[str, str]], instruction: str
     ) -> str:
         context = self.context_lines(turns)
-        return f"{instruction}\nQuestion: {question}\n{context}{self.labels[agent]}:"
+        return f"{instruction}\nQuestion: {question}\n{context}{self.label(agent)}:"
 
     def chat_messages(
         self, agent: str, question: str, turns: Sequence[tuple[str, str]], instruction: str
@@ -40,5 +44,5 @@ class TeamLayout:
         user = f"Question: {question}\n"
         if turns:
             user += f"\nTeam so far:\n{self.context_lines(turns)}"
-        user += f"\nYou are the {self.labels[agent]}{self.role_suffix}. Respond now."
+        user += f"\nYou are the {self.label(agent)}{self.role_suffix}. Respond now."
         return [{"role": "system", "content": instruction}, {"role": "user", "content": user}]

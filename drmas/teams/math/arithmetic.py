@@ -15,6 +15,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from drmas.protocol.messages import Task
+
+if TYPE_CHECKING:
+    from drmas.tasks.config import TaskConfig
 
 
 @dataclass(frozen=True)
@@ -79,3 +85,16 @@ def generate(
         if problem.question not in held_out:
             train.append(problem)
     return train, val
+
+
+def task_source(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
+    """`task.name=arithmetic`: training and held-out tasks with ids `arithmetic:{split}:{i}`."""
+    train, val = generate(cfg.num_train, cfg.num_val, cfg.max_operand, cfg.num_ops, cfg.seed)
+    return _tasks(train, "train"), _tasks(val, "val")
+
+
+def _tasks(problems: list[Problem], split: str) -> list[Task]:
+    return [
+        Task(f"arithmetic:{split}:{i}", p.question, p.answer, "arithmetic")
+        for i, p in enumerate(problems)
+    ]

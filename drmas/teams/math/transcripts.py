@@ -13,7 +13,9 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from drmas.actors.workflows.math_prompts import (
+from drmas.models.warmstart import Pairs, TranscriptSource, generate
+from drmas.teams.math import arithmetic
+from drmas.teams.math.prompts import (
     SOLVER,
     TINY_INSTRUCTIONS,
     VERIFIER,
@@ -22,8 +24,6 @@ from drmas.actors.workflows.math_prompts import (
     solver_response,
     verifier_response,
 )
-from drmas.models.warmstart import Pairs, TranscriptSource, generate
-from drmas.tasks import arithmetic
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -22,7 +22,11 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
-from drmas.actors.workflows.search_prompts import (
+from drmas.models.warmstart import Pairs, TranscriptSource, generate
+from drmas.retrieval.corpus import Passage
+from drmas.teams.search import kb as kbmod
+from drmas.teams.search.kb import QA, KBSpec, KnowledgeBase, Person
+from drmas.teams.search.prompts import (
     ANSWERER,
     INFO,
     SEARCHER,
@@ -37,11 +41,7 @@ from drmas.actors.workflows.search_prompts import (
     search_response,
     verifier_response,
 )
-from drmas.models.warmstart import Pairs, TranscriptSource, generate
-from drmas.retrieval.corpus import Passage
-from drmas.tasks import kb as kbmod
-from drmas.tasks.kb import QA, KBSpec, KnowledgeBase, Person
-from drmas.tasks.qa import exact_match
+from drmas.teams.search.qa import exact_match
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from drmas.actors.workflows.layout import TeamLayout
+from drmas.teams.layout import TeamLayout
 
 SOLVER = "solver"
 VERIFIER = "verifier"

@@ -24,13 +24,15 @@ import re
 from collections.abc import Sequence
 from typing import Protocol
 
-from drmas.actors.workflows.layout import TeamLayout
+from drmas.teams.layout import TeamLayout
 
 VERIFIER = "verifier"
 SEARCHER = "searcher"
 ANSWERER = "answerer"
 INFO = "info"
 """Team-context entries that are retrieved passages, not an agent's output."""
+SEARCH_TOOL = "search"
+"""The team's tool (the retriever); its results join the team context as INFO entries."""
 AGENTS = (VERIFIER, SEARCHER, ANSWERER)
 LABELS = {VERIFIER: "Verifier", SEARCHER: "Search", ANSWERER: "Answer", INFO: "Info"}
 
