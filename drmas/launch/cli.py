@@ -7,6 +7,7 @@
     drmas learner --model M [overrides]       one learner rank (under torchrun for R > 1)
     drmas retriever [overrides]               serve retriever.name (bm25/dense) over HTTP
     drmas probe   [overrides] [--config F]    Lemma 4.2 on the team's learner: RUN_DIR/probe.json
+    drmas eval    [RUN_DIR] [--step N] [--model M=DIR] [--data F]  avg@k / pass@k per source
     drmas status  ADDRESS [--json] [--keys D] what is attached to a running broker
     drmas keys    DIR [--clients a,b]         CURVE key pairs for broker and clients
     drmas data    math|search FILE... --out F downloaded datasets -> drmas task JSONL
@@ -62,6 +63,33 @@ def _parser() -> argparse.ArgumentParser:
         "measure each agent's gradient second moment under global baselines vs agent-wise "
         "advantages (probe.rewards='{agent: [mean, std], ...}' for synthetic scores)",
     )
+    evaluate = sub.add_parser(
+        "eval",
+        help="evaluate a run's final weights, a checkpoint or model folders on held-out "
+        "tasks: avg@k / pass@k per data source with standard errors",
+        description="Runs the team (one process, the actor's engines) n times on every task "
+        "and reports avg@k, pass@k (unbiased) and pass@1 per data source and overall, with "
+        "standard errors over tasks. Weights: RUN_DIR/models/<model> (the run's final ones), "
+        "--step N (its learner checkpoints, exported to step-N/hf), or --model per model or "
+        "agent. Tasks: --data files (jsonl/parquet, task.question_key/answer_key), else the "
+        "task source's validation split. Defaults are the paper's: T 0.6, top-p 0.95, k 16.",
+    )
+    evaluate.add_argument("run_dir", nargs="?", default="", help="a run folder (optional)")
+    evaluate.add_argument("overrides", nargs="*", help="hydra overrides, e.g. val.num_tasks=64")
+    evaluate.add_argument("--config", help="a config file (default: RUN_DIR/config.yaml)")
+    evaluate.add_argument("--step", type=int, default=None, help="learner checkpoint version")
+    evaluate.add_argument(
+        "--model", action="append", default=[], metavar="NAME=DIR",
+        help="a Hugging Face folder for a model or agent (repeat per model)",
+    )  # fmt: skip
+    evaluate.add_argument("--data", action="append", default=[], help="task file (repeatable)")
+    evaluate.add_argument("--tasks", type=int, default=0, help="first N tasks of each (0: all)")
+    evaluate.add_argument("--k", type=int, default=16, help="k of avg@k and pass@k")
+    evaluate.add_argument("--n", type=int, default=0, help="samples per task (>= k; 0: k)")
+    evaluate.add_argument("--temperature", type=float, default=0.6)
+    evaluate.add_argument("--top-p", type=float, default=0.95)
+    evaluate.add_argument("--seed", type=int, default=0, help="added to the engines' seed")
+    evaluate.add_argument("--out", default="", help="JSON to write (default RUN_DIR/eval.json)")
     transcripts = sub.add_parser(
         "show", help="print the latest sampled episodes of a run (RUN_DIR/samples.jsonl)"
     )
@@ -219,6 +247,46 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from drmas.launch.config import ConfigError, load_config
+    from drmas.launch.evaluate import EvalError, EvalSettings, format_table, run_eval
+
+    run_dir, overrides = args.run_dir, list(args.overrides)
+    if "=" in run_dir:  # `drmas eval key=value ...`: an override, no run folder
+        run_dir, overrides = "", [run_dir, *overrides]
+    run = Path(run_dir).resolve() if run_dir else None
+    config = args.config or (str(run / "config.yaml") if run else None)
+    if run is not None and not (run / "config.yaml").is_file() and not args.config:
+        print(f"drmas eval: {run} holds no config.yaml (is it a run folder?)", file=sys.stderr)
+        return 2
+    folders = {}
+    for item in args.model:
+        name, sep, folder = item.partition("=")
+        if not sep or not name or not folder:
+            print(f"drmas eval: --model {item!r}: expected NAME=DIR", file=sys.stderr)
+            return 2
+        folders[name] = folder
+    _logging("eval")
+    settings = EvalSettings(args.k, args.n, args.temperature, args.top_p, args.tasks, args.seed)
+    out = Path(args.out) if args.out else (run / "eval.json" if run else Path("eval.json"))
+    try:
+        cfg = load_config(overrides, config)
+        report = run_eval(
+            cfg, run, settings, step=args.step, folders=folders, data=args.data, out=out
+        )
+    except (ConfigError, EvalError, FileNotFoundError, ValueError) as exc:
+        print(f"drmas eval: {exc}", file=sys.stderr)
+        return 2
+    weights = ", ".join(f"{m}: {w['from']}" for m, w in report["weights"].items())
+    print(f"{report['team']} team ({weights}), T={settings.temperature}, top-p={settings.top_p}, "
+          f"{settings.samples} samples per task, {report['wall_s']:.0f}s")  # fmt: skip
+    print(format_table(report))
+    print(f"wrote {out}")
+    return 0
+
+
 def _logging(role: str) -> None:
     logging.basicConfig(
         level=os.environ.get("DRMAS_LOG_LEVEL", "INFO"),
@@ -256,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "config":
         return _config(args)
+    if args.command == "eval":
+        return _eval(args)
     _logging(args.command if args.command != "actor" else f"actor[{args.id}]")
     try:
         cfg = load_config(args.overrides, args.config)

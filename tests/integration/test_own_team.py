@@ -1,9 +1,11 @@
 """The example team of examples/proposer_critic, trained from outside the package: a copy
 of its folder in a temporary directory, run from there with `--config`, exactly as a user
-with their own team in their own repository would."""
+with their own team in their own repository would; then `drmas eval` on the run folder,
+on its checkpoint and on data files from two sources."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -11,14 +13,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
 from tests.integration.conftest import REPO, read_metrics
 
 pytestmark = pytest.mark.slow
 
 
-def test_example_team_trains_from_its_own_folder(tmp_path: Path, model_cache: Path) -> None:
+def test_example_team_trains_from_its_own_folder_and_is_evaluated(
+    tmp_path: Path, model_cache: Path
+) -> None:
     team = tmp_path / "my_team"
     shutil.copytree(REPO / "examples" / "proposer_critic", team)
     run_dir = tmp_path / "run"
@@ -51,3 +57,49 @@ def test_example_team_trains_from_its_own_folder(tmp_path: Path, model_cache: Pa
     # drmas itself knows nothing of the example: it was loaded from the copy by path
     package = (REPO / "drmas").rglob("*.py")
     assert not any("proposer" in f.read_text() for f in package)
+
+    # drmas eval: the final weights on two data files, reported per source and overall
+    for name, lo in (("easy", 1), ("hard", 30)):
+        rows = [
+            {"question": f"{a}+{a}", "answer": 2 * a, "data_source": name}
+            for a in range(lo, lo + 6)
+        ]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = _drmas(tmp_path, "eval", str(run_dir), "--data", "easy.jsonl", "--data", "hard.jsonl",
+                 "--k", "2", "--n", "3")  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((run_dir / "eval.json").read_text())
+    assert report["team"] == "proposer_critic" and report["settings"]["temperature"] == 0.6
+    assert {m: w["from"] for m, w in report["weights"].items()} == {
+        "proposer": "final", "critic": "final"
+    }  # fmt: skip
+    assert set(report["sources"]) == {"easy", "hard"}
+    for part in (*report["sources"].values(), report["overall"]):
+        for key in ("avg@2", "pass@2", "pass@1"):
+            assert 0.0 <= part[key] <= 1.0 and part[f"{key}/se"] >= 0.0
+        assert part["pass@1"] == pytest.approx(part["avg@2"])  # both: successes / samples
+        assert part["pass@2"] >= part["pass@1"] - 1e-9
+    assert report["sources"]["easy"]["tasks"] == 6 and report["overall"]["tasks"] == 12
+    assert "| easy | 6 |" in out.stdout and "| all | 12 |" in out.stdout
+    # a learner checkpoint, exported to a Hugging Face folder first: same weights as final
+    out = _drmas(tmp_path, "eval", str(run_dir), "--step", "2", "--k", "2", "--tasks", "4",
+                 "--out", "ckpt.json")  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "ckpt.json").read_text())
+    assert report["overall"]["tasks"] == 4 and set(report["sources"]) == {"tasks"}
+    for model in ("proposer", "critic"):
+        exported = run_dir / "checkpoints" / model / "step-000002" / "hf" / "model.safetensors"
+        final, again = (
+            load_file(str(run_dir / "models" / model / "model.safetensors")),
+            load_file(str(exported)),
+        )
+        assert all(torch.equal(final[k], again[k]) for k in final)
+    out = _drmas(tmp_path, "eval", str(run_dir), "--step", "7")
+    assert out.returncode == 2 and "no checkpoint at step 7 (has [2])" in out.stderr
+
+
+def _drmas(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "drmas.launch.cli", *args], cwd=cwd, capture_output=True,
+        text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip

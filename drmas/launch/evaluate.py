@@ -1,0 +1,278 @@
+"""`drmas eval`: the team on held-out tasks with frozen weights, scored per data source.
+
+    drmas eval RUN_DIR                       the run's final weights (RUN_DIR/models/<m>)
+    drmas eval RUN_DIR --step 20             its learner checkpoints at version 20
+    drmas eval --model solver=DIR ...        model folders (by model or agent name) on the
+                                             configured team (overrides as for train)
+      [--data FILE ...] [--tasks N] [--k 16] [--n N] [--temperature 0.6] [--top-p 0.95]
+      [--seed S] [--out FILE]
+
+One process, no broker: the actor's engines (actor.engine: hf on CPU, vllm/sglang on GPU)
+load each model's folder, the team (workflow.name / workflow.target) runs n episodes per
+task, and a task counts as solved by an episode whose reward is >= 1. Reported per data
+source and over all tasks: avg@k, pass@k (the unbiased estimator from n >= k samples) and
+pass@1, each with its standard error over tasks, and the team's own episode metrics.
+Writes JSON (RUN_DIR/eval.json by default) and prints a table. The defaults are the
+paper's evaluation settings: temperature 0.6, top-p 0.95, k = 16.
+
+A learner checkpoint (sharded torch.distributed.checkpoint files) is first exported to a
+Hugging Face folder next to it (step-N/hf), built on the run's starting model folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from drmas.broker.evaluation import EvalRound
+from drmas.launch.config import DrmasConfig
+from drmas.protocol.messages import SamplingParams, Task
+
+log = logging.getLogger("drmas.eval")
+
+
+class EvalError(ValueError):
+    """An evaluation that cannot run; the message says what to pass instead."""
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    k: int = 16
+    n: int = 0
+    """Samples per task; 0 = k."""
+    temperature: float = 0.6
+    top_p: float = 0.95
+    tasks: int = 0
+    """The first N tasks of every data file / of the validation split; 0 = all."""
+    seed: int = 0
+
+    @property
+    def samples(self) -> int:
+        return self.n or self.k
+
+
+# ------------------------------------------------------------------------ weights
+def choose_weights(
+    cfg: DrmasConfig, run_dir: Path | None, step: int | None, folders: dict[str, str]
+) -> dict[str, tuple[Path, str]]:
+    """model -> (HF folder, where it came from). `folders` keys are model or agent names."""
+    from drmas.checkpoints import store
+
+    given: dict[str, Path] = {}
+    for name, folder in folders.items():
+        model = name if name in cfg.models else cfg.agents[name].model if name in cfg.agents else ""
+        if not model:
+            raise EvalError(
+                f"--model {name}=...: {name!r} is neither a model {sorted(cfg.models)} nor an "
+                f"agent {sorted(cfg.agents)}"
+            )
+        path = Path(folder).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise EvalError(f"--model {name}={folder}: no Hugging Face folder (config.json) there")
+        given[model] = path
+    chosen: dict[str, tuple[Path, str]] = {}
+    root = store.root_for(run_dir, cfg.checkpoint.dir) if run_dir else None
+    for model in sorted(cfg.models):
+        if model in given:
+            chosen[model] = (given[model], "folder")
+        elif step is not None:
+            if root is None:
+                raise EvalError("--step needs a run folder")
+            ckpt = store.find(root / model, step)
+            if ckpt is None:
+                have = [c.version for c in store.complete(root / model)]
+                raise EvalError(f"model {model!r} has no checkpoint at step {step} (has {have})")
+            chosen[model] = (export_checkpoint(cfg, model, ckpt.path), f"checkpoint step {step}")
+        elif run_dir is not None and (run_dir / "models" / model / "config.json").is_file():
+            chosen[model] = (run_dir / "models" / model, "final")
+        else:
+            from drmas.models.builtin import resolve_model_path
+
+            m = cfg.models[model]
+            initial = resolve_model_path(m.path, cfg.run.cache_dir or None, m.warmstart, m.revision)
+            chosen[model] = (initial, "initial")
+            log.warning("model %s: no trained weights given, evaluating %s", model, initial)
+    return chosen
+
+
+def export_checkpoint(cfg: DrmasConfig, model: str, checkpoint: Path) -> Path:
+    """A learner checkpoint as a Hugging Face folder (checkpoint/hf): the run's starting
+    model with the checkpoint's weights (the optimizer state is not read)."""
+    out = checkpoint / "hf"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = cfg.models[model].path
+    if base.startswith("builtin:") or not Path(base).is_dir():
+        raise EvalError(
+            f"model {model!r}: the run's config names {base!r} as its starting folder, which "
+            "is not a folder here; pass --model with a folder instead"
+        )
+    net = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    state = net.state_dict()
+    dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
+    net.load_state_dict(state)
+    tmp = checkpoint / ".hf-tmp"
+    net.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+# -------------------------------------------------------------------------- tasks
+def choose_tasks(cfg: DrmasConfig, data: Sequence[str], limit: int) -> list[Task]:
+    """The tasks of each data file (the first `limit` of each), else the validation split."""
+    from drmas.tasks.source import TaskSource, load_file
+
+    if data:
+        tasks: list[Task] = []
+        for file in data:
+            loaded = load_file(file, "eval", cfg.task.question_key, cfg.task.answer_key)
+            tasks += loaded[:limit] if limit else loaded
+        return tasks
+    val = TaskSource(cfg.task).val_tasks(limit or None)
+    if not val:
+        raise EvalError(
+            f"task source {cfg.task.name!r} has no held-out tasks: pass --data FILE.jsonl "
+            "(or set task.val_path)"
+        )
+    return val
+
+
+# ---------------------------------------------------------------------- evaluating
+async def sample(
+    cfg: DrmasConfig, weights: dict[str, tuple[Path, str]], tasks: list[Task], s: EvalSettings
+) -> list[tuple[Task, list[float], list[dict[str, float]]]]:
+    """n episodes of every task by the team over engines holding `weights`."""
+    from drmas.actors.engines import make_engine
+    from drmas.actors.main import make_workflow
+
+    engines = {}
+    try:
+        for model in sorted(cfg.models):
+            pool = cfg.actor.engine_of(model)
+            pool = dataclasses.replace(pool, seed=pool.seed + s.seed)
+            engines[model] = make_engine(model, str(weights[model][0]), pool)
+            await engines[model].start()
+        team = make_workflow(
+            cfg,
+            {a: cfg.model_of(a) for a in cfg.agents},
+            dict(engines),
+            {m: e.tokenizer for m, e in engines.items()},
+        )
+        sampling = SamplingParams(s.temperature, s.top_p, cfg.sampling.max_new_tokens)
+        limit = asyncio.Semaphore(max(1, cfg.actor.max_groups))
+        done = 0
+        start = time.monotonic()
+
+        async def one(task: Task) -> tuple[Task, list[float], list[dict[str, float]]]:
+            nonlocal done
+            async with limit:
+                episodes = await team.run_group(task, sampling, s.samples)
+            done += 1
+            if done % max(1, -(-len(tasks) // 10)) == 0:
+                log.info("%d/%d tasks (%.0fs)", done, len(tasks), time.monotonic() - start)
+            return task, [e.reward for e in episodes], [dict(e.metrics) for e in episodes]
+
+        try:
+            return list(await asyncio.gather(*(one(t) for t in tasks)))
+        finally:
+            await team.close()
+    finally:
+        for engine in engines.values():
+            await engine.close()
+
+
+def score(
+    results: list[tuple[Task, list[float], list[dict[str, float]]]], s: EvalSettings
+) -> dict[str, Any]:
+    """Over all tasks and per data source: avg@k, pass@k, pass@1 (± standard error over
+    tasks) and the team's episode metrics."""
+
+    sources = {t.source or "default" for t, _, _ in results}
+
+    def table(rows: list[tuple[Task, list[float], list[dict[str, float]]]]) -> dict[str, float]:
+        round_ = EvalRound(0, [t for t, _, _ in rows], s.samples, s.k)
+        for task, rewards, metrics in rows:
+            round_.record(task, rewards, metrics)
+        per_source = tuple(f"val/{src}/" for src in sources)  # reported separately
+        return {
+            key.removeprefix("val/"): value
+            for key, value in round_.metrics().items()
+            if not key.startswith(per_source)
+        }
+
+    by_source: dict[str, list[tuple[Task, list[float], list[dict[str, float]]]]] = {}
+    for row in results:
+        by_source.setdefault(row[0].source or "default", []).append(row)
+    return {
+        "overall": table(results),
+        "sources": {src: table(rows) for src, rows in sorted(by_source.items())},
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    k = report["settings"]["k"]
+    keys = (f"avg@{k}", f"pass@{k}", "pass@1")
+    lines = ["| source | tasks | " + " | ".join(keys) + " |", "|---|---:|" + "---:|" * len(keys)]
+    rows = [*report["sources"].items()]
+    if len(rows) > 1:
+        rows.append(("all", report["overall"]))
+    for source, m in rows:
+        cells = [f"{m[key]:.3f} ± {m[key + '/se']:.3f}" for key in keys]
+        lines.append(f"| {source} | {int(m['tasks'])} | " + " | ".join(cells) + " |")
+    extra = sorted(
+        key for key in report["overall"] if "@" not in key and "/" not in key and key != "tasks"
+    )
+    if extra:
+        o = report["overall"]
+        lines.append("")
+        lines.append("team metrics: " + ", ".join(f"{key} {o[key]:.3f}" for key in extra))
+    return "\n".join(lines)
+
+
+def run_eval(
+    cfg: DrmasConfig,
+    run_dir: Path | None,
+    settings: EvalSettings,
+    *,
+    step: int | None = None,
+    folders: dict[str, str] | None = None,
+    data: Sequence[str] = (),
+    out: Path | None = None,
+) -> dict[str, Any]:
+    if settings.k < 1 or settings.samples < settings.k:
+        raise EvalError(f"--k must be >= 1 and --n >= k, got k={settings.k}, n={settings.n}")
+    if not (0 < settings.top_p <= 1) or settings.temperature < 0:
+        raise EvalError("--top-p must be in (0, 1] and --temperature >= 0")
+    weights = choose_weights(cfg, run_dir, step, folders or {})
+    tasks = choose_tasks(cfg, data, settings.tasks)
+    log.info(
+        "evaluating %s on %d tasks x %d samples", {m: w[1] for m, w in weights.items()},
+        len(tasks), settings.samples,
+    )  # fmt: skip
+    start = time.monotonic()
+    results = asyncio.run(sample(cfg, weights, tasks, settings))
+    report = {
+        "run": str(run_dir) if run_dir else None,
+        "team": cfg.workflow.name,
+        "weights": {m: {"path": str(p), "from": how} for m, (p, how) in weights.items()},
+        "data": list(data) or f"{cfg.task.name} validation split",
+        "settings": dataclasses.asdict(settings) | {"n": settings.samples},
+        **score(results, settings),
+        "wall_s": time.monotonic() - start,
+    }
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    return report
