@@ -336,6 +336,7 @@ class Actor:
         finally:
             if self.workflow is not None:
                 await self.workflow.close()
+            self.receiver.close()  # the weight groups kept for the next versions
             for engine in self.engines.values():
                 await engine.close()
             # The client closes with linger=0, which can drop the Goodbye still queued in

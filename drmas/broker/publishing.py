@@ -9,6 +9,12 @@ three messages, each checked by the gate first: PublishRequest (`plan`), Publish
 (`done`) and WeightsLoaded (`loaded`); `stale_actors` tells a learner's BatchRequest
 whether to re-publish.
 
+Weight groups persist: a model's publishes go to the same group (the same name) while
+its members and its learner's store stay the same and nothing failed, so the learner and
+the actors broadcast over the group they hold instead of forming and tearing down one per
+version (drmas/transports/weights.py). Any change of members, a re-publish to a subset, a
+failed publish or load, or a new store starts a new group under a new name.
+
 Bounded: digests are kept for the last three versions of each model only.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 from typing import TYPE_CHECKING
 
 from drmas.broker.leases import ActorRecord
@@ -48,6 +55,10 @@ class WeightPublishing:
         self.sent_digest: dict[tuple[str, int], str] = {}
         self.loaded_digest: dict[tuple[str, int], dict[str, str]] = {}
         self._seq = 0
+        # unique across broker restarts: a resumed broker never reuses an old group's name
+        self._incarnation = secrets.token_hex(3)
+        # model -> (group name, store address, members) of the group its publishes reuse
+        self.groups: dict[str, tuple[str, str, tuple[str, ...]]] = {}
         self.closed = False  # the run is over and actors were told to stop: publish to none
 
     def stale_actors(self, model: str, version: int, now: float) -> list[str]:
@@ -68,6 +79,7 @@ class WeightPublishing:
         the same version only those that lack it. Returns the plan for the learner and
         the join for each member."""
         self._seq += 1
+        full = False
         if self.closed:  # after Shutdown: no actor is there to receive (nor needs to)
             members: list[str] = []
         elif self.planned.get(model) == version:
@@ -75,8 +87,9 @@ class WeightPublishing:
             self.counters["weight_republishes"] += 1
         else:
             members = sorted(a.client_id for a in self.actors.values() if model in a.models)
+            full = True
         self.planned[model] = version
-        name = f"{model}/v{version}/{self._seq}"
+        name = self._group_name(model, store_address, members, full)
         timeout = self.cfg.weights.timeout_s
         size = len(members) + 1
         joins = [
@@ -89,9 +102,31 @@ class WeightPublishing:
             self.done(model, version, 0.0, ok=True)
         return WeightGroupPlan(model, version, name, members, timeout), joins
 
+    def _group_name(self, model: str, store: str, members: list[str], full: bool) -> str:
+        """The name of the model's kept group when this publish goes to the same members
+        over the same store; else a new name (kept for the next publish if `full`)."""
+        kept = self.groups.get(model)
+        if members and full and kept is not None and kept[1:] == (store, tuple(members)):
+            self.counters["weight_groups_kept"] += 1
+            return kept[0]
+        name = f"{model}/{self._incarnation}/g{self._seq}"
+        if members:
+            self.counters["weight_groups_formed"] += 1
+        if full and members:
+            self.groups[model] = (name, store, tuple(members))
+        else:  # a one-off group (a subset re-publish): the learner retires the kept one
+            self.groups.pop(model, None)
+        return name
+
+    def forget_group(self, model: str) -> None:
+        """A failure in the model's group: its next publish forms a new one."""
+        self.groups.pop(model, None)
+
     def done(self, model: str, version: int, seconds: float, ok: bool, digest: str = "") -> None:
         self.counters["weight_publishes" if ok else "weight_publishes_failed"] += 1
         self.in_flight.pop(model, None)
+        if not ok:
+            self.forget_group(model)
         if ok and digest:
             self.sent_digest[(model, version)] = digest
             self._compare(model, version)
@@ -104,6 +139,8 @@ class WeightPublishing:
         actor = self.actors.get(client_id)
         if actor is not None and ok:
             actor.versions[model] = max(actor.versions.get(model, 0), version)
+        if not ok:
+            self.forget_group(model)
         self.counters["weight_loads" if ok else "weight_loads_failed"] += 1
         if ok and digest and version >= self._oldest_compared(model):
             self.loaded_digest.setdefault((model, version), {})[client_id] = digest

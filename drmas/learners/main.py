@@ -135,7 +135,7 @@ def run_learner(cfg: DrmasConfig, model: str, rank: int, world_size: int) -> Non
             log.warning("run.dir is empty: %s is not saved", model)
     finally:
         if sender is not None:
-            sender.release()
+            sender.close()  # the group kept for the next publish too
         if client is not None:
             client.send(Goodbye(client.client_id))  # lets a finished broker exit at once
             client.close()

@@ -1,13 +1,18 @@
 """New weights from learner rank 0 to the actors serving a model, over torch.distributed.
 
-One *weight group* per publish: learner rank 0 is rank 0, the actors of the broker's
+A *weight group* per membership: learner rank 0 is rank 0, the actors of the broker's
 WeightGroupPlan are ranks 1..n. The group is built directly from a `TCPStore` that learner
 rank 0 hosts for the whole run (bound on `WeightSyncConfig.host`, free port), namespaced
-by `PrefixStore(group_name)`, so it never touches the learners' own default group. No
-group outlives its publish: a failed one is aborted at once, a finished one is retired
-and torn down by `release()` (gloo's teardown holds the GIL for ~20 ms, so the learner
-and actors do it off the sync's path). A dead or late peer never leaves a hung group,
-and membership can change between versions.
+by `PrefixStore(group_name)`, so it never touches the learners' own default group.
+
+The group persists across versions: the broker names a publish's group after its
+membership (drmas/broker/publishing.py), and while the name (and, on the actor side, the
+store and rank) stays the same, sender and receivers broadcast the next version over the
+group they already hold, with no rendezvous and no teardown. A new name (an actor
+attached, detached or failed, a re-publish to a subset, a restarted learner) retires the
+old group: it is aborted (never waits for a peer) by `release()`, off the sync's path,
+since gloo's teardown holds the GIL for ~20 ms. A failed publish aborts its group at
+once, so the next one forms a fresh group. A dead or late peer never leaves a hung group.
 
 Protocol inside a group (all broadcasts from rank 0):
 
@@ -226,9 +231,9 @@ class _Group:
         self.finish(self.start(tensor, what), what)
 
     def close(self, ok: bool) -> None:
-        """Tear the group down: shutdown when everything went through, else abort (never
-        waits for a peer). Either costs ~20 ms holding the GIL (gloo joins its threads),
-        which is why finished groups are retired and closed later by `release()`."""
+        """Tear the group down: shutdown when every peer is known to be doing the same, else
+        abort (never waits for a peer). Either costs ~20 ms holding the GIL (gloo joins its
+        threads), which is why groups are retired and closed later by `release()`."""
         if self.pg is None:
             return
         pg, self.pg = self.pg, None
@@ -242,7 +247,7 @@ class _Group:
 
 
 class _Retired:
-    """Groups that finished cleanly and only wait to be torn down, off the sync's path."""
+    """Groups that are no longer used and only wait to be torn down, off the sync's path."""
 
     def __init__(self) -> None:
         self.groups: list[_Group] = []
@@ -251,8 +256,9 @@ class _Retired:
         self.groups.append(group)
 
     def release(self) -> None:
+        # abort: a retired group's peers may be gone (that is often why it was retired)
         while self.groups:
-            self.groups.pop().close(ok=True)
+            self.groups.pop().close(ok=False)
 
 
 def _make_pg(
@@ -352,6 +358,8 @@ class PublishStats:
     seconds: float
     bytes: int
     buckets: int
+    reused: bool = False
+    """Sent over the group of the previous publish (same members): no rendezvous."""
 
 
 def decode_header(raw: bytes, group: str) -> Header:
@@ -439,16 +447,39 @@ class WeightSender:
         )
         self._retired = _Retired()
         self._buffers = _Buffers(self.device)
+        self._live: tuple[str, _Group] | None = None  # (group name, group) kept for the next
 
     @property
     def store_address(self) -> str:
         return f"{self.host}:{self.store.port}"
 
     def release(self) -> None:
-        """Tear down the groups of finished publishes (~20 ms each, holding the GIL); call
-        it when a stall does not matter (the learner does before its next step). The next
-        publish calls it too."""
+        """Tear down retired groups (~20 ms each, holding the GIL); call it when a stall does
+        not matter (the learner does after PublishDone). The next publish calls it too."""
         self._retired.release()
+
+    def close(self) -> None:
+        """The end of the run: the group kept for the next publish is torn down too."""
+        if self._live is not None:
+            self._retired.add(self._live[1])
+            self._live = None
+        self._retired.release()
+
+    def _group(self, name: str, where: _Where) -> tuple[_Group, bool]:
+        """The group kept from the previous publish when `name` is its name; else a new one
+        (the kept one is retired)."""
+        if self._live is not None and self._live[0] == name:
+            group = self._live[1]
+            if group.where.world_size == where.world_size:
+                group.where = where
+                return group, True
+        if self._live is not None:
+            self._retired.add(self._live[1])
+            self._live = None
+            self._retired.release()  # before the new rendezvous: at most one group at a time
+        store = dist.PrefixStore(name, self.store)
+        store.set("backend", self.backend)
+        return _Group(where, store, self.backend, self.device), False
 
     def publish(
         self,
@@ -460,12 +491,13 @@ class WeightSender:
         specs: Sequence[TensorSpec] | None = None,
         peers: Sequence[str] = (),
     ) -> PublishStats:
-        """Broadcast `named_tensors` to ranks 1..world_size-1 of a new group `group_name`.
+        """Broadcast `named_tensors` to ranks 1..world_size-1 of group `group_name`: the
+        group of the previous publish when the name is the same, else a new one.
 
         `specs` (name, shape, dtype of every tensor, in order) lets the header go out before
         the first tensor is gathered; without it the tensors are materialised first.
         Raises WeightSyncTimeout/WeightSyncError and aborts the group; a group that went
-        through is retired and torn down by the next `release()`.
+        through is kept for the next publish.
         """
         self.release()
         start = time.monotonic()
@@ -476,11 +508,7 @@ class WeightSender:
         header = Header(int(self.cfg.bucket_mb * 2**20), list(specs))
         buckets = plan_buckets(header.tensors, header.bucket_bytes)
         who = ", ".join(peers) if peers else f"ranks 1..{world_size - 1}"
-        store = dist.PrefixStore(group_name, self.store)
-        store.set("backend", self.backend)
-        group = _Group(
-            _Where(group_name, 0, world_size, timeout_s, who), store, self.backend, self.device
-        )
+        group, reused = self._group(group_name, _Where(group_name, 0, world_size, timeout_s, who))
         try:
             length, payload = _encode_header(header, self.device)
             group.broadcast(length, "header length")
@@ -488,13 +516,15 @@ class WeightSender:
             sent = self._stream(group, header, buckets, named_tensors)
         except BaseException:
             group.close(ok=False)
+            self._live = None
             self._buffers.reset()
             raise
-        self._retired.add(group)
-        stats = PublishStats(time.monotonic() - start, sent, len(buckets))
+        self._live = (group_name, group)
+        stats = PublishStats(time.monotonic() - start, sent, len(buckets), reused)
         log.info(
-            "published %s: %.1f MB in %d buckets to %s in %.2fs",
+            "published %s: %.1f MB in %d buckets to %s in %.2fs (%s group)",
             group_name, sent / 1e6, stats.buckets, who, stats.seconds,
+            "kept" if reused else "new",
         )  # fmt: skip
         return stats
 
@@ -557,11 +587,50 @@ class WeightReceiver:
         self.backend = resolve_backend(self.cfg, self.device)
         self._retired = _Retired()
         self._buffers = _Buffers(self.device)
+        # model -> ((group name, store address, rank, world size), group) kept for the next
+        self._live: dict[str, tuple[tuple[str, str, int, int], _Group]] = {}
 
     def release(self) -> None:
-        """Tear down the groups of finished receives (~20 ms each, holding the GIL); call it
-        once generation has resumed. The next receive calls it too."""
+        """Tear down retired groups (~20 ms each, holding the GIL); call it once generation
+        has resumed. The next receive calls it too."""
         self._retired.release()
+
+    def close(self) -> None:
+        """The actor stops: the groups kept for the next versions are torn down too."""
+        for _, group in self._live.values():
+            self._retired.add(group)
+        self._live.clear()
+        self._retired.release()
+
+    def kept(self, model: str) -> str:
+        """Name of the group kept for `model` ("" when none)."""
+        live = self._live.get(model)
+        return live[0][0] if live else ""
+
+    def _group(self, join: JoinWeightGroup, where: _Where) -> _Group:
+        """The group kept from the previous version of this model when the join names the
+        same group, store and rank; else a new one (the kept one is retired)."""
+        key = (join.group_name, join.store_address, join.rank, join.world_size)
+        live = self._live.pop(join.model, None)
+        if live is not None and live[0] == key:
+            live[1].where = where
+            return live[1]
+        if live is not None:
+            self._retired.add(live[1])
+            self._retired.release()
+        with where.phase("connecting to the weight store"):
+            host, port = join.store_address.rsplit(":", 1)
+            client = dist.TCPStore(
+                host, int(port), is_master=False, timeout=where.timeout, wait_for_workers=False
+            )
+            store = dist.PrefixStore(join.group_name, client)
+            backend = store.get("backend").decode()
+        if backend != self.backend:
+            raise WeightSyncError(
+                f"weight group {join.group_name!r}: learner broadcasts over {backend}, this "
+                f"actor resolved {self.backend} (device {self.device}); set weights.backend"
+            )
+        return _Group(where, store, backend, self.device)
 
     def receive_into(
         self, join: JoinWeightGroup, load: Callable[[NamedTensors], None]
@@ -588,19 +657,7 @@ class WeightReceiver:
         self.release()
         peer = f"learner rank 0 of {join.model} at {join.store_address}"
         where = _Where(join.group_name, join.rank, join.world_size, join.timeout_s, peer)
-        with where.phase("connecting to the weight store"):
-            host, port = join.store_address.rsplit(":", 1)
-            client = dist.TCPStore(
-                host, int(port), is_master=False, timeout=where.timeout, wait_for_workers=False
-            )
-            store = dist.PrefixStore(join.group_name, client)
-            backend = store.get("backend").decode()
-        if backend != self.backend:
-            raise WeightSyncError(
-                f"weight group {join.group_name!r}: learner broadcasts over {backend}, this "
-                f"actor resolved {self.backend} (device {self.device}); set weights.backend"
-            )
-        group = _Group(where, store, backend, self.device)
+        group = self._group(join, where)
         try:
             header = self._header(group)
             plan = plan_buckets(header.tensors, header.bucket_bytes)
@@ -620,7 +677,10 @@ class WeightReceiver:
             group.close(ok=False)
             self._buffers.reset()
             raise
-        self._retired.add(group)
+        self._live[join.model] = (
+            (join.group_name, join.store_address, join.rank, join.world_size),
+            group,
+        )
 
     def _post(self, pipeline: _Pipeline, plan: list[Bucket], b: int, header: Header) -> None:
         buffer = self._buffers.take(plan[b].dtype, plan[b].numel, header.bucket_bytes)

@@ -1,10 +1,11 @@
 """A Proposer and a Critic: a complete drmas team in one file, trained with
 `drmas train --config examples/proposer_critic/config.yaml`.
 
-The Proposer adds two numbers from 10..29 (half of them beyond the 0..19 the builtin tiny
-models were warm-started on); the Critic approves the sum or rejects it. An approved answer is the
-team's answer, a rejected one makes the team abstain. Reward: 1 right, 0 wrong, 0.3 for
-abstaining (`workflow.options.abstain`), so the Critic learns when its Proposer can be trusted.
+The Proposer adds two numbers from 0..24 (a third of the questions go beyond the 0..19 the
+builtin tiny models were warm-started on); the Critic approves the sum or rejects it. An
+approved answer is the team's answer, a rejected one makes the team abstain. Reward: 1
+right, 0 wrong, 0.3 for abstaining (`workflow.options.abstain`), so the Critic gains by
+learning when its Proposer can be trusted.
 """
 
 import random
@@ -50,7 +51,7 @@ class ProposerCritic(Team):
 
 
 def tasks(cfg):  # task.name=team.py:tasks: (TaskConfig) -> (train, val)
-    lo, hi = cfg.options.get("lo", 10), cfg.options.get("hi", 29)
+    lo, hi = cfg.options.get("lo", 0), cfg.options.get("hi", 24)
     pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
     random.Random(cfg.seed).shuffle(pairs)
     items = [{"question": f"{a}+{b}", "answer": str(a + b)} for a, b in pairs]

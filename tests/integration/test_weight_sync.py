@@ -68,8 +68,10 @@ def receive_worker(joins: list[JoinWeightGroup], out: str) -> None:
             buckets.append([name for name, _ in batch])
             state.update((name, t.clone()) for name, t in batch)
 
+        kept = receiver.kept(j.model) == j.group_name  # no rendezvous: the group it holds
         stats = receiver.receive_into(j, load)
-        results.append({"state": state, "buckets": buckets, "bytes": stats.bytes})
+        results.append({"state": state, "buckets": buckets, "bytes": stats.bytes, "kept": kept})
+    receiver.close()
     torch.save(results, out)
 
 
@@ -158,6 +160,42 @@ def test_two_receivers_get_bit_identical_weights(tmp_path: Path) -> None:
             expected = [[specs[i].name for i, _, _ in b.members] for b in layouts[group]]
             assert got["buckets"] == expected
             assert got["bytes"] == total
+
+
+def test_a_group_persists_while_its_members_do(tmp_path: Path) -> None:
+    """Three versions to the same two receivers go over one group (one rendezvous); a new
+    membership (one receiver left) forms a new group under a new name."""
+    base = tiny_state()
+    specs = [spec_of(n, t) for n, t in base]
+    sender = WeightSender(WeightSyncConfig(bucket_mb=3001 / 2**20))
+    kept = [join(sender, "m/g1", rank, 3) for rank in (1, 2)]
+    procs = [
+        spawn_receiver([kept[0]] * 3 + [join(sender, "m/g2", 1, 2)], tmp_path / "r1.pt"),
+        spawn_receiver([kept[1]] * 3, tmp_path / "r2.pt"),
+    ]
+
+    def version(v: int) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t + v) for n, t in base]
+
+    try:
+        stats = [sender.publish("m/g1", 3, iter(version(v)), 30.0, specs=specs) for v in (1, 2, 3)]
+        stats.append(sender.publish("m/g2", 2, iter(version(4)), 30.0, specs=specs))
+        for proc in procs:
+            proc.join(60)
+            assert proc.exitcode == 0
+    finally:
+        sender.close()
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+    assert [s.reused for s in stats] == [False, True, True, False]
+    r1 = torch.load(tmp_path / "r1.pt", weights_only=False)
+    r2 = torch.load(tmp_path / "r2.pt", weights_only=False)
+    assert [r["kept"] for r in r1] == [False, True, True, False]
+    assert [r["kept"] for r in r2] == [False, True, True]
+    for results in (r1, r2):
+        for v, got in enumerate(results, start=1):
+            assert all(torch.equal(got["state"][n], t) for n, t in version(v)), v
 
 
 def test_missing_receiver_times_out_and_sender_recovers(tmp_path: Path) -> None:

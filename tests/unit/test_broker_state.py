@@ -341,3 +341,44 @@ def test_nothing_is_published_to_actors_after_shutdown():
     st.weights.closed = True  # BrokerServer.broadcast_shutdown sets it
     plan, joins = st.weights.plan("solver", 2, "h:1", 0.0)
     assert plan.members == [] and joins == [] and st.counters["weight_publishes"] == 2
+
+
+def test_a_models_weight_group_is_kept_while_members_and_store_are():
+    st = make_state("train.steps=10")
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    st.add_actor("b", "h", 2, ["solver", "verifier"], 0.0)
+    names = []
+    store = "h:1"
+
+    def publish(version: int, ok: bool = True) -> str:
+        plan, joins = st.weights.plan("solver", version, store, 0.0)
+        assert all(j.group_name == plan.group_name for _, j in joins)
+        st.weights.done("solver", version, 0.1, ok=ok)
+        names.append(plan.group_name)
+        return plan.group_name
+
+    first = publish(1)
+    assert publish(2) == first and publish(3) == first  # same members, same store
+    assert st.weights.plan("verifier", 1, "h:9", 0.0)[0].group_name != first  # per model
+    assert st.add_actor("c", "h", 3, ["solver", "verifier"], 0.0) == ""  # a new membership
+    second = publish(4)
+    assert second != first and publish(5) == second
+    store = "h:2"  # a restarted learner has a new store
+    third = publish(6)
+    assert third != second
+    failed = publish(7, ok=False)  # the publish failed: the next one forms a new group
+    assert failed == third and publish(8) != third
+    fourth = names[-1]
+    st.weights.loaded("a", "solver", 8, ok=False)  # an actor's load failed: likewise
+    assert publish(9) != fourth
+    # a re-publish to the stale actors only is a one-off group, and retires the kept one
+    for actor in ("b", "c"):
+        st.weights.loaded(actor, "solver", 9, ok=True)  # "a" still holds an old version
+    before = names[-1]
+    plan, _ = st.weights.plan("solver", 9, "h:2", 0.0)
+    assert plan.members == ["a"] and plan.group_name != before
+    st.weights.done("solver", 9, 0.1, ok=True)
+    assert publish(10) not in (before, plan.group_name)
+    c = st.counters
+    assert c["weight_groups_kept"] == 4  # v2, v3, v5, v7
+    assert c["weight_groups_formed"] == 8  # v1, the verifier's, v4, v6, v8, v9, subset, v10
