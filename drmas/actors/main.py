@@ -16,6 +16,7 @@ publishing at once can never wait on each other), at a safe point: the engine is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -23,10 +24,12 @@ import signal
 import socket
 import time
 import zlib
+from pathlib import Path
 from typing import TypeVar
 
 from drmas.actors.engines import ReceivesWeights, RollsBack, make_engine
 from drmas.actors.engines.base import Engine
+from drmas.actors.timebook import TimeBook
 from drmas.launch.config import DrmasConfig, team_class
 from drmas.models.config import weights_dtype
 from drmas.protocol.messages import (
@@ -101,6 +104,7 @@ class Actor:
         self.quarantined: dict[str, int] = {}  # model -> version before a failed in-place load
         self.stopping = ""
         self.heartbeat_s = cfg.broker.heartbeat_interval_s
+        self.book = TimeBook()
 
     # ----------------------------------------------------------------- setup
     async def start(self) -> None:
@@ -129,10 +133,13 @@ class Actor:
         retry_after = 0.0
         try:
             while not self.stopping:
+                self.book.tick("generating" if self.running else "waiting_for_leases")
                 self.drain_inbox()
                 if self.stopping:  # a Shutdown just read: the broker may already be gone,
                     break  # so ask it nothing more (the request would wait out its timeout)
-                await self.sync_weights()
+                if self.joins:
+                    await self.sync_weights()
+                    self.book.tick("loading_weights")
                 await self.send_finished()
                 now = time.monotonic()
                 free = self.cfg.actor.max_groups - len(self.running)
@@ -337,6 +344,11 @@ class Actor:
             if self.workflow is not None:
                 await self.workflow.close()
             self.receiver.close()  # the weight groups kept for the next versions
+            if self.cfg.run.dir:
+                logs = Path(self.cfg.run.dir) / "logs"
+                with contextlib.suppress(OSError):
+                    logs.mkdir(parents=True, exist_ok=True)
+                    self.book.write(logs, self.id.replace("/", "_"))
             for engine in self.engines.values():
                 await engine.close()
             # The client closes with linger=0, which can drop the Goodbye still queued in

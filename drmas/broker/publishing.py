@@ -82,6 +82,11 @@ class WeightPublishing:
         full = False
         if self.closed:  # after Shutdown: no actor is there to receive (nor needs to)
             members: list[str] = []
+        elif version >= self.cfg.train.steps and not self.cfg.val.every:
+            # the last step's weights: no generation and no final validation will use them,
+            # and actors told to stop meanwhile would leave the learner waiting
+            members = []
+            self.counters["weight_publishes_after_last_step_skipped"] += 1
         elif self.planned.get(model) == version:
             members = self.stale_actors(model, version, now)
             self.counters["weight_republishes"] += 1

@@ -25,6 +25,7 @@ from drmas.launch.report_stats import (
     distinct_labels,
     load_run,
     spike_stats,
+    time_stats,
     validation_stats,
 )
 
@@ -63,6 +64,8 @@ PANELS = (
           lambda r: [k for k in ("staleness/mean",) if r.keys(k)]),
     Panel("throughput", "Episodes per second", "episodes/s",
           lambda r: [k for k in ("episodes_per_s",) if r.keys(k)]),
+    Panel("learner_time", "Learner seconds per step: training, waiting, publishing", "s",
+          lambda r: r.keys("train_s/") + r.keys("batch_wait_s/") + r.keys("weight_sync_s/")),
 )  # fmt: skip
 
 
@@ -85,6 +88,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
         "runs": [{"path": str(r.path), "label": r.label} for r in runs],
         "spikes": {r.label: spike_stats(r) for r in runs},
         "validation": {r.label: validation_stats(r) for r in runs},
+        "time": {r.label: time_stats(r) for r in runs},
         "spike_rule": f"norm > {SPIKE_FACTOR:g} x median of the previous {SPIKE_WINDOW} steps",
         "skipped_panels": skipped,
         "panels": sorted(drawn),
@@ -168,6 +172,19 @@ def _markdown(summary: dict[str, Any]) -> str:
                 for p in (v["first"], v["final"], v["best"])
             ]
             out.append(f"| {label} | {key} | {' | '.join(cells)} |")
+    out += ["", "## Where the time goes", ""]
+    out += ["| run | process | seconds | busy |", "|---|---|---|---|"]
+    for label, t in summary["time"].items():
+        for model, parts in t["learners"].items():
+            spent = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in parts.items()
+                              if k.endswith("_s"))  # fmt: skip
+            out.append(f"| {label} | learner {model} | {spent} (of {t['span_s']:.1f}) | "
+                       f"{_fmt(parts.get('busy_fraction'))} |")  # fmt: skip
+        for actor, book in t["actors"].items():
+            spent = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in book.items()
+                              if k.endswith("_s") and k != "wall_s")  # fmt: skip
+            out.append(f"| {label} | {actor} | {spent} (of {_fmt(book.get('wall_s'))}) | "
+                       f"{_fmt(book.get('busy_fraction'))} |")  # fmt: skip
     if summary["skipped_panels"]:
         out += ["", "Skipped panels (no run has their metrics): "
                 + ", ".join(summary["skipped_panels"]) + "."]  # fmt: skip

@@ -9,6 +9,7 @@ are unit-testable on their own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -175,4 +176,28 @@ def validation_stats(run: Run) -> dict[str, dict[str, Any]]:
             return {"step": line.get("step"), "value": line[k], "se": line.get(f"{k}/se")}
 
         out[key] = {"final": point(final), "best": point(best), "first": point(rounds[0])}
+    return out
+
+
+def time_stats(run: Run) -> dict[str, Any]:
+    """Where the run's time went. Learners, per model: seconds training (forward, backward,
+    optimizer), waiting for batches and publishing weights, summed over the steps, and as
+    a fraction of the seconds between the first and the last step line. Actors (from
+    logs/*.time.json, written at exit): seconds generating, waiting for leases and loading
+    weights, and the fraction generating. Missing pieces are left out."""
+    times = [line["time_s"] for line in run.steps if "time_s" in line]
+    span = max(times) - min(times) if len(times) > 1 else 0.0
+    out: dict[str, Any] = {"span_s": span, "learners": {}, "actors": {}}
+    models = {k.split("/", 1)[1] for line in run.steps for k in line if k.startswith("train_s/")}
+    for model in sorted(models):
+        parts = {
+            part: sum(float(line.get(f"{part}/{model}", 0.0)) for line in run.steps[1:])
+            for part in ("train_s", "batch_wait_s", "weight_sync_s")
+        }  # the first line's time holds start-up: steps after it, as span does
+        out["learners"][model] = parts | (
+            {"busy_fraction": (parts["train_s"] + parts["weight_sync_s"]) / span} if span else {}
+        )
+    for book in sorted((run.path / "logs").glob("*.time.json")):
+        with contextlib.suppress(OSError, ValueError):
+            out["actors"][book.name.removesuffix(".time.json")] = json.loads(book.read_text())
     return out

@@ -105,7 +105,8 @@ def check_report(run_dir: Path, tmp_path: Path) -> None:
     assert cli.returncode == 0, cli.stderr
     drawn = write_report([run_dir, older], tmp_path / "report2")
     assert drawn.pop("skipped") == []
-    assert {"reward", "validation_avg", "grad_norm", "advantage_std", "throughput"} <= set(drawn)
+    assert {"reward", "validation_avg", "grad_norm", "advantage_std", "throughput",
+            "learner_time"} <= set(drawn)  # fmt: skip
     for name, panel in drawn.items():
         image = matplotlib.image.imread(panel["file"])
         assert image.shape[0] > 100 and image.shape[1] > 100, name
@@ -129,6 +130,14 @@ def check_report(run_dir: Path, tmp_path: Path) -> None:
     final = summary["validation"][labelled]["val/avg@2"]["final"]
     assert final["step"] == 4 and final["se"] is not None
     assert "## Gradient norms" in (out / "summary.md").read_text()
+    # where the time went: learner seconds from the metrics, the actor's from its time book
+    spent = summary["time"][labelled]
+    assert spent["span_s"] > 0 and set(spent["learners"]) == {"solver", "verifier"}
+    assert all(parts["train_s"] > 0 for parts in spent["learners"].values())
+    ((actor, book),) = spent["actors"].items()
+    assert 0 < book["busy_fraction"] <= 1 and book["generating_s"] > 0, actor
+    assert summary["time"]["older"]["actors"] == {}  # no logs folder: left out
+    assert "## Where the time goes" in (out / "summary.md").read_text()
 
 
 def test_train_shared_model_two_fsdp_ranks(tmp_path: Path, model_cache: Path) -> None:

@@ -344,7 +344,7 @@ def test_nothing_is_published_to_actors_after_shutdown():
 
 
 def test_a_models_weight_group_is_kept_while_members_and_store_are():
-    st = make_state("train.steps=10")
+    st = make_state("train.steps=20")
     st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
     st.add_actor("b", "h", 2, ["solver", "verifier"], 0.0)
     names = []
@@ -382,3 +382,14 @@ def test_a_models_weight_group_is_kept_while_members_and_store_are():
     c = st.counters
     assert c["weight_groups_kept"] == 4  # v2, v3, v5, v7
     assert c["weight_groups_formed"] == 8  # v1, the verifier's, v4, v6, v8, v9, subset, v10
+
+
+def test_the_last_steps_weights_go_out_only_for_the_final_validation():
+    """Without validation nothing uses them, and an actor told to stop before it joined
+    would leave the learner waiting out weights.timeout_s."""
+    for every, members in ((0, []), (2, ["a"])):
+        st = make_state(f"val.every={every}")  # train.steps=3
+        st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+        assert st.weights.plan("solver", 2, "h:1", 0.0)[0].members == ["a"]
+        st.weights.done("solver", 2, 0.1, ok=True)
+        assert st.weights.plan("solver", 3, "h:1", 0.0)[0].members == members
