@@ -94,8 +94,6 @@ def test_example_team_trains_from_its_own_folder_and_is_evaluated(
             load_file(str(exported)),
         )
         assert all(torch.equal(final[k], again[k]) for k in final)
-    out = _drmas(tmp_path, "eval", str(run_dir), "--step", "7")
-    assert out.returncode == 2 and "no checkpoint at step 7 (has [2])" in out.stderr
 
 
 def _drmas(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
