@@ -194,8 +194,10 @@ def check(cfg: DrmasConfig) -> None:
         missing, extra = sorted(expected - set(cfg.agents)), sorted(set(cfg.agents) - expected)
         raise ConfigError(
             f"the {team.name} team has agents {sorted(expected)}, the config's `agents` names "
-            f"{sorted(cfg.agents)} (missing {missing}, not in the team {extra}): bind each of "
-            "the team's agents to a model, e.g. agents.NAME.model=MODEL"
+            f"{sorted(cfg.agents)} (missing {missing}, not in the team {extra}): bind each "
+            "of the team's agents to a model in your config file (agents: {NAME: {model: "
+            "MODEL}}), or replace them on the command line: '~agents' "
+            "'+agents={NAME: {model: MODEL}, ...}'"
         )
     for name, agent in cfg.agents.items():
         if agent.model not in cfg.models:
