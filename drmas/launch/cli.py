@@ -396,7 +396,15 @@ def _run_role(args: argparse.Namespace, cfg: DrmasConfig) -> int:
 
             os.environ["MASTER_PORT"] = str(cfg.learner.master_port or free_port())
         run_learner(cfg, args.model, rank, world)
-        return 0
+        # Everything is saved and the process groups are destroyed. Leave without the
+        # interpreter's teardown of torch's C++ objects: a gloo thread still joinable
+        # there aborts the process ("terminate called without an active exception",
+        # exit -6; seen once on a rank > 0 in a loaded CI run), and the supervisor would
+        # stop a finished run as failed.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if args.command == "retriever":
         from drmas.retrieval.server import run_retriever
 
