@@ -88,6 +88,7 @@ class Team:
         tools: Mapping[str, Tool] | None = None,
         reward: Reward | None = None,
     ) -> None:
+        self.check_settings(cfg)
         if cfg.prompt_style not in self.default_instructions:
             raise ValueError(
                 f"workflow.prompt_style must be one of {sorted(self.default_instructions)}, "
@@ -115,6 +116,14 @@ class Team:
         self.instructions = {**self.default_instructions[cfg.prompt_style], **overrides}
         self.tool_fns: dict[str, Tool] = {**self.tools, **(tools or {})}
         self._reward = reward
+        self.check_tools()
+
+    @classmethod
+    def check_settings(cls, cfg: WorkflowConfig) -> None:
+        """The team's own `workflow.*` settings (raise ValueError saying what to fix)."""
+
+    def check_tools(self) -> None:
+        """The tools the team needs are there (raise ValueError naming the missing one)."""
 
     # ------------------------------------------------------------- construction
     @classmethod

@@ -19,13 +19,9 @@ of `WorkflowConfig.instructions` override them per agent.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from drmas.actors.config import WorkflowConfig
-from drmas.actors.engines.base import Engine
 from drmas.protocol.messages import Episode, SamplingParams, Step, Task
-from drmas.teams.base import Reward, Team, Tool
+from drmas.teams.base import Team
 from drmas.teams.math import prompts as math_prompts
 from drmas.teams.math.grading import grade
 from drmas.teams.math.prompts import (
@@ -49,18 +45,10 @@ class MathTeam(Team):
     default_instructions = DEFAULT_INSTRUCTIONS
     layout = math_prompts.LAYOUT
 
-    def __init__(
-        self,
-        cfg: WorkflowConfig,
-        agent_models: dict[str, str],
-        engines: Mapping[str, Engine],
-        tokenizers: Mapping[str, Any],
-        tools: Mapping[str, Tool] | None = None,
-        reward: Reward | None = None,
-    ) -> None:
+    @classmethod
+    def check_settings(cls, cfg: WorkflowConfig) -> None:
         if cfg.max_loops < 1:
             raise ValueError(f"workflow.max_loops must be >= 1, got {cfg.max_loops}")
-        super().__init__(cfg, agent_models, engines, tokenizers, tools, reward)
 
     async def run_episode(self, task: Task, sampling: SamplingParams) -> Episode:
         turns: list[tuple[str, str]] = []

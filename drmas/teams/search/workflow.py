@@ -30,9 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from drmas.actors.config import WorkflowConfig
-from drmas.actors.engines.base import Engine
 from drmas.protocol.messages import Episode, SamplingParams, Step, Task
-from drmas.teams.base import Reward, Team, Tool
+from drmas.teams.base import Team, Tool
 from drmas.teams.search import prompts as search_prompts
 from drmas.teams.search.prompts import (
     AGENTS,
@@ -90,20 +89,14 @@ class SearchTeam(Team):
     layout = search_prompts.LAYOUT
     result_keys: ClassVar[Mapping[str, str]] = {SEARCH_TOOL: INFO}
 
-    def __init__(
-        self,
-        cfg: WorkflowConfig,
-        agent_models: dict[str, str],
-        engines: Mapping[str, Engine],
-        tokenizers: Mapping[str, Any],
-        tools: Mapping[str, Tool] | None = None,
-        reward: Reward | None = None,
-    ) -> None:
+    @classmethod
+    def check_settings(cls, cfg: WorkflowConfig) -> None:
         if cfg.max_turns < 1:
             raise ValueError(f"workflow.max_turns must be >= 1, got {cfg.max_turns}")
         if cfg.on_invalid not in ("continue", "end"):
             raise ValueError(f"workflow.on_invalid must be continue or end, got {cfg.on_invalid!r}")
-        super().__init__(cfg, agent_models, engines, tokenizers, tools, reward)
+
+    def check_tools(self) -> None:
         if SEARCH_TOOL not in self.tool_fns:
             raise ValueError(
                 f"the search team needs a {SEARCH_TOOL!r} tool (the retriever), got "
