@@ -38,6 +38,7 @@ from drmas.protocol.messages import (  # noqa: E402
     StepReport,
     WeightsLoaded,
 )
+from tests.fixtures.router import Recorder  # noqa: E402
 
 
 class Frame:
@@ -79,7 +80,7 @@ def main() -> int:
 
     server.connections.close()
     server.sock.close(linger=0)
-    server.sock = type("S", (), {"send_multipart": lambda _s, f, flags=0: record(f)})()  # fmt: skip
+    server.sock = Recorder(record)
     lines = LongestLine()
     logging.getLogger("drmas.broker").addHandler(lines)
     logging.getLogger("drmas.broker").setLevel(logging.DEBUG)

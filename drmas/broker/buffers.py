@@ -123,15 +123,21 @@ def split_group(
     penalty: float,
 ) -> dict[str, GroupSlice]:
     """Split a (validated) group per model: the broker's intake hot path, so one pass."""
-    headers = [h for episode in result.episodes for h in episode.steps]
-    models = [agent_models[h.agent] for h in headers]
+    steps: dict[str, list[int]] = {}
+    oldest: dict[str, int] = {}
+    i = 0
+    for episode in result.episodes:
+        for h in episode.steps:
+            model = agent_models[h.agent]
+            if model in steps:
+                steps[model].append(i)
+                if h.version < oldest[model]:
+                    oldest[model] = h.version
+            else:
+                steps[model], oldest[model] = [i], h.version
+            i += 1
     group = ScoredGroup(result, penalty)
-    slices = {}
-    for model in set(models):
-        steps = [i for i, m in enumerate(models) if m == model]
-        oldest = min(headers[i].version for i in steps)
-        slices[model] = GroupSlice(group_id, task, group, steps, oldest)
-    return slices
+    return {m: GroupSlice(group_id, task, group, s, oldest[m]) for m, s in steps.items()}
 
 
 def slice_advantages(slices: list[GroupSlice], adv: AdvantageConfig) -> list[np.ndarray]:

@@ -224,6 +224,9 @@ class Gate:
 
     def _GroupResult(self, who: Sender, msg: GroupResult) -> None:
         versions = self.state.versions
+        newest = max((h.version for e in msg.episodes for h in e.steps), default=0)
+        if newest <= min(versions.values(), default=0):
+            return  # the usual case, in one pass: no step is newer than any published version
         for episode in msg.episodes:
             for h in episode.steps:
                 if h.model in versions and h.version > versions[h.model]:

@@ -3,7 +3,8 @@
 Line for step s (= model versions after s optimizer steps) is written once every model
 has reported step s and finished publishing its weights: batch statistics (rewards, scores, advantages per agent, staleness),
 learner metrics (loss, grad norms, ...), weight-sync seconds, throughput (accepted
-episodes and response tokens per second over the last 30 s) and the mean team reward and
+episodes and response tokens per second over the last 30 s), the broker's own busy
+fraction since the previous line (`broker/busy`, drmas/broker/cpu.py) and the mean team reward and
 workflow metrics (`rollout/<name>`, e.g. search calls per episode) of the episodes accepted
 since the previous line. Validation
 results get lines of their own with the step they evaluated.
@@ -18,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Protocol
 
+from drmas.broker.cpu import CpuBook
 from drmas.protocol.messages import EpisodeHeader
 
 
@@ -63,6 +65,7 @@ class StepMetrics:
         self._intake: collections.deque[tuple[float, int, int]] = collections.deque()
         self._episode_sums: dict[str, float] = collections.defaultdict(float)
         self._episode_counts: dict[str, int] = collections.defaultdict(int)
+        self.cpu = CpuBook()  # the broker's CPU per message type (filled by the server)
 
     def count_intake(self, episodes: int, tokens: int) -> None:
         self._intake.append((time.monotonic(), episodes, tokens))
@@ -111,6 +114,7 @@ class StepMetrics:
         line = {"step": step, **self.pending.pop(step, {})}
         line["episodes_per_s"], line["tokens_per_s"] = self.rates(time.monotonic())
         line["dropped_stale_groups"] = counters.get("dropped_stale_groups", 0)
+        line["broker/busy"] = self.cpu.busy_since_last_line(time.monotonic())
         for name, total in self._episode_sums.items():
             line[f"rollout/{name}"] = total / self._episode_counts[name]
         self._episode_sums.clear()

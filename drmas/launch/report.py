@@ -185,6 +185,18 @@ def _markdown(summary: dict[str, Any]) -> str:
                               if k.endswith("_s") and k != "wall_s")  # fmt: skip
             out.append(f"| {label} | {actor} | {spent} (of {_fmt(book.get('wall_s'))}) | "
                        f"{_fmt(book.get('busy_fraction'))} |")  # fmt: skip
+        broker = t.get("broker")
+        if broker:
+            out.append(f"| {label} | broker | cpu {broker['cpu_s']:.1f} (of {broker['wall_s']:.1f}) | "
+                       f"{_fmt(broker['busy_fraction'])} |")  # fmt: skip
+    brokers = {label: t["broker"] for label, t in summary["time"].items() if t.get("broker")}
+    if brokers:
+        out += ["", "## Broker CPU per message type", ""]
+        out += ["| run | message | count | CPU s | µs each |", "|---|---|---|---|---|"]
+        for label, broker in brokers.items():
+            for kind, k in broker["by_kind"].items():
+                out.append(f"| {label} | {kind} | {k['count']} | {k['cpu_s']:.2f} | "
+                           f"{k['us_each']:.0f} |")  # fmt: skip
     if summary["skipped_panels"]:
         out += ["", "Skipped panels (no run has their metrics): "
                 + ", ".join(summary["skipped_panels"]) + "."]  # fmt: skip

@@ -184,7 +184,8 @@ def time_stats(run: Run) -> dict[str, Any]:
     optimizer), waiting for batches and publishing weights, summed over the steps, and as
     a fraction of the seconds between the first and the last step line. Actors (from
     logs/*.time.json, written at exit): seconds generating, waiting for leases and loading
-    weights, and the fraction generating. Missing pieces are left out."""
+    weights, and the fraction generating. The broker (broker_summary.json): its CPU
+    seconds per message type and busy fraction. Missing pieces are left out."""
     times = [line["time_s"] for line in run.steps if "time_s" in line]
     span = max(times) - min(times) if len(times) > 1 else 0.0
     out: dict[str, Any] = {"span_s": span, "learners": {}, "actors": {}}
@@ -200,4 +201,6 @@ def time_stats(run: Run) -> dict[str, Any]:
     for book in sorted((run.path / "logs").glob("*.time.json")):
         with contextlib.suppress(OSError, ValueError):
             out["actors"][book.name.removesuffix(".time.json")] = json.loads(book.read_text())
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        out["broker"] = json.loads((run.path / "broker_summary.json").read_text())["cpu"]
     return out

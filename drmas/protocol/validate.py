@@ -13,7 +13,7 @@ from typing import NoReturn
 import msgspec
 import numpy as np
 
-from drmas.protocol.arrays import unpack_ids, unpack_logprobs
+from drmas.protocol.arrays import unpack_ids
 from drmas.protocol.codec import ProtocolError
 from drmas.protocol.messages import (
     Episode,
@@ -37,10 +37,15 @@ class Limits(msgspec.Struct):
     max_lease_request: int = 1024
     max_id_chars: int = 256
 
-    @property
-    def bindings(self) -> frozenset[tuple[str, str]]:
-        """Every (agent, model) pair a step may carry."""
-        return frozenset(self.agent_models.items())
+    pairs: frozenset[tuple[str, str]] = frozenset()
+    """Every (agent, model) pair a step may carry (derived from agent_models)."""
+    shared_vocab: int = 0
+    """The vocabulary size when every model has the same one, else 0 (derived)."""
+
+    def __post_init__(self) -> None:
+        self.pairs = frozenset(self.agent_models.items())
+        sizes = set(self.vocab_sizes.values())
+        self.shared_vocab = sizes.pop() if len(sizes) == 1 else 0
 
 
 def _fail(reason: str) -> NoReturn:
@@ -75,6 +80,7 @@ def check_step(step: Step, limits: Limits) -> None:
 
 _FINISH_REASONS = frozenset(("stop", "length"))
 _U32 = np.dtype("<u4")
+_F32 = np.dtype("<f4")
 
 
 MAX_EPISODE_METRICS = 32
@@ -92,30 +98,29 @@ def _check_episode_metrics(i: int, metrics: dict[str, float]) -> None:
 
 
 def check_group_result(msg: GroupResult, limits: Limits, group_size: int) -> None:
-    """Validate a columnar group: one cheap combined test per step header (the broker's
-    hot path; the exact reason only when it fails), then one vectorised pass over each of
-    the three buffers."""
-    if len(msg.episodes) != group_size:
-        _fail(f"group {msg.group_id} has {len(msg.episodes)} episodes, lease asked {group_size}")
+    """Validate a columnar group: one cheap combined test over the step headers (the
+    broker's hot path; the exact reason only when it fails), then one vectorised test per
+    buffer."""
+    episodes = msg.episodes
+    if len(episodes) != group_size:
+        _fail(f"group {msg.group_id} has {len(episodes)} episodes, lease asked {group_size}")
     max_steps = limits.max_steps_per_episode
-    rewards = [e.reward for e in msg.episodes]
-    counts = [len(e.steps) for e in msg.episodes]
-    if not all(map(math.isfinite, rewards)) or min(counts) < 1 or max(counts) > max_steps:
-        for i, (reward, count) in enumerate(zip(rewards, counts)):
-            if not math.isfinite(reward):
-                _fail(f"episode {i}: reward is not finite")
-            if not (1 <= count <= max_steps):
-                _fail(f"episode {i}: {count} steps outside 1..{max_steps}")
-    for i, episode in enumerate(msg.episodes):
+    headers: list[StepHeader] = []
+    for i, episode in enumerate(episodes):
+        steps = episode.steps
+        if not (1 <= len(steps) <= max_steps):
+            _fail(f"episode {i}: {len(steps)} steps outside 1..{max_steps}")
+        if not math.isfinite(episode.reward):
+            _fail(f"episode {i}: reward is not finite")
         if episode.metrics:
             _check_episode_metrics(i, episode.metrics)
+        headers += steps
     # one pass per field over every step header (cheaper than one branchy loop per step)
-    headers = [h for e in msg.episodes for h in e.steps]
     pairs = {(h.agent, h.model) for h in headers}
     prompt_lens = [h.prompt_len for h in headers]
     response_lens = [h.response_len for h in headers]
     if (
-        not pairs <= limits.bindings
+        not pairs <= limits.pairs
         or min(prompt_lens) < 1
         or max(prompt_lens) > limits.max_prompt_tokens
         or min(response_lens) < 1
@@ -128,27 +133,45 @@ def check_group_result(msg: GroupResult, limits: Limits, group_size: int) -> Non
             if problem:
                 _fail(f"step {i}: {problem}")
     total_p, total_r = sum(prompt_lens), sum(response_lens)
-    models = {limits.agent_models[agent] for agent, _ in pairs}
-    for name, raw, tokens in (
-        ("prompt_ids", msg.prompt_ids, total_p),
-        ("response_ids", msg.response_ids, total_r),
-        ("logprobs", msg.logprobs, total_r),
-    ):
-        if len(raw) != 4 * tokens:
-            _fail(f"{name} holds {len(raw)} bytes; the step headers say {tokens} tokens (x 4)")
-    vocabs = {limits.vocab_sizes[m] for m in models}
-    if len(vocabs) == 1:  # every model of the group shares one vocabulary: one test per buffer
-        vocab = vocabs.pop()
-        for name, raw in (("prompt", msg.prompt_ids), ("response", msg.response_ids)):
-            # one reduction: read as unsigned, a negative id is >= 2**31 > any vocabulary
-            if np.frombuffer(raw, dtype=_U32).max() >= vocab:
-                _fail(_which_ids(msg, limits) or f"a {name} token id is outside 0..{vocab - 1}")
+    if len(msg.prompt_ids) != 4 * total_p:
+        _fail(_bytes_problem("prompt_ids", msg.prompt_ids, total_p))
+    if len(msg.response_ids) != 4 * total_r:
+        _fail(_bytes_problem("response_ids", msg.response_ids, total_r))
+    if len(msg.logprobs) != 4 * total_r:
+        _fail(_bytes_problem("logprobs", msg.logprobs, total_r))
+    vocab = limits.shared_vocab or _one_vocab(pairs, limits)
+    if vocab:
+        # the group's models share one vocabulary: one reduction per buffer; read as
+        # unsigned, a negative id is >= 2**31 > any vocabulary
+        if _max(_u32(msg.prompt_ids)) >= vocab or _max(_u32(msg.response_ids)) >= vocab:
+            _fail(_which_ids(msg, limits) or f"a token id is outside 0..{vocab - 1}")
     else:
         _check_ids_per_step(msg, limits)
-    values = unpack_logprobs(msg.logprobs)
+    values = _f32(msg.logprobs)
     # NaN fails both comparisons; -inf fails the first, anything positive the second
-    if not (values.min() > -math.inf and values.max() <= 0.0):
+    if not (_min(values) > -math.inf and _max(values) <= 0.0):
         _fail("log-probs must be finite and <= 0")
+
+
+def _one_vocab(pairs: set[tuple[str, str]], limits: Limits) -> int:
+    """The vocabulary size of the group's models if they share one, else 0."""
+    sizes = {limits.vocab_sizes[model] for _, model in pairs}
+    return sizes.pop() if len(sizes) == 1 else 0
+
+
+def _bytes_problem(name: str, raw: memoryview, tokens: int) -> str:
+    return f"{name} holds {len(raw)} bytes; the step headers say {tokens} tokens (x 4)"
+
+
+def _u32(raw: memoryview) -> np.ndarray:
+    return np.frombuffer(raw, dtype=_U32)
+
+
+def _f32(raw: memoryview) -> np.ndarray:
+    return np.frombuffer(raw, dtype=_F32)
+
+
+_max, _min = np.maximum.reduce, np.minimum.reduce  # what ndarray.max/min call, minus a layer
 
 
 def _step_problem(h: StepHeader, limits: Limits) -> str:

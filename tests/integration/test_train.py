@@ -137,7 +137,17 @@ def check_report(run_dir: Path, tmp_path: Path) -> None:
     ((actor, book),) = spent["actors"].items()
     assert 0 < book["busy_fraction"] <= 1 and book["generating_s"] > 0, actor
     assert summary["time"]["older"]["actors"] == {}  # no logs folder: left out
-    assert "## Where the time goes" in (out / "summary.md").read_text()
+    # the broker's CPU per message type: every kind a run must have sent, each costing time
+    broker = spent["broker"]
+    kinds = broker["by_kind"]
+    assert {"hello", "lease_request", "group_result", "batch_request", "step_report"} <= set(kinds)
+    assert kinds["group_result"]["count"] >= 4 * 4 and kinds["hello"]["count"] >= 3
+    assert all(k["cpu_s"] > 0 for k in kinds.values()), kinds
+    assert 0 < broker["busy_fraction"] < 1 and broker["cpu_s"] < broker["wall_s"]
+    assert all(0 <= x["broker/busy"] < 1 for x in lines if "val/tasks" not in x)
+    assert "older" not in {label for label, t in summary["time"].items() if "broker" in t}
+    text = (out / "summary.md").read_text()
+    assert "## Where the time goes" in text and "| group_result |" in text
 
 
 def test_train_shared_model_two_fsdp_ranks(tmp_path: Path, model_cache: Path) -> None:

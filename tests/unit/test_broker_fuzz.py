@@ -41,6 +41,7 @@ from drmas.protocol.messages import (
     WeightsLoaded,
     pack_group,
 )
+from tests.fixtures.router import Recorder
 
 MODELS = ["solver", "verifier"]
 IDS = ["a1", "a2", "L0", "L1", "V0", "ops"]
@@ -132,8 +133,8 @@ def test_any_message_sequence_keeps_the_broker_alive_counted_and_bounded(
     sent: list[tuple[str, Any]] = []
     server.connections.close()
     server.sock.close(linger=0)  # replies are recorded instead of sent
-    server.sock = type("S", (), {"send_multipart": lambda _s, f, flags=0: sent.append(
-        (f[0].decode() if isinstance(f[0], bytes) else f[0], decode_from_broker(f[1])))})()  # fmt: skip
+    server.sock = Recorder(lambda f: sent.append(
+        (f[0].decode() if isinstance(f[0], bytes) else f[0], decode_from_broker(f[1]))))  # fmt: skip
     leases: dict[str, list[Any]] = {}
     seen = 0
     registered = [  # everyone says Hello first, so the random part reaches every handler
