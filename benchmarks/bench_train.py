@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -42,18 +43,19 @@ def quarter_means(lines: list[dict], key: str) -> tuple[float, float]:
     return sum(values[:q]) / q, sum(values[-q:]) / q
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cache", default="", help="builtin model cache (default: a fresh one)")
-    parser.add_argument("--out", default="benchmarks/results/default_train.json")
-    args, overrides = parser.parse_known_args()
+def run_train(overrides: list[str], cache: str = "", env: dict[str, str] | None = None) -> dict:
+    """One `drmas train` with `overrides` (and extra environment `env`): its wall time,
+    peak memory, validation lines and first/last-quarter means; `output` is its log tail."""
     work = Path(tempfile.mkdtemp(prefix="drmas-bench-"))
-    cache = args.cache or str(work / "cache")
+    cache = cache or str(work / "cache")
     run_dir = work / "run"
     cmd = [sys.executable, "-m", "drmas.launch.cli", "train", f"run.dir={run_dir}",
            f"run.cache_dir={cache}", *overrides]  # fmt: skip
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
     ps = psutil.Process(proc.pid)
     peak = 0
     while proc.poll() is None:
@@ -65,13 +67,16 @@ def main() -> None:
     train = [x for x in lines if "val/tasks" not in x]
     val = [x for x in lines if "val/tasks" in x]
     result: dict = {
-        "command": "drmas train " + " ".join(overrides),
+        "command": " ".join(
+            [*(f"{k}={v}" for k, v in (env or {}).items()), "drmas train", *overrides]
+        ),
         "exit_code": proc.returncode,
         "wall_s": wall,
         "peak_rss_gb": peak / 1e9,
         "steps": len(train),
         "validation": val,
         "summary": json.loads((run_dir / "broker_summary.json").read_text()),
+        "output": output[-3000:],
     }
     keys = sorted(
         {k for x in train for k in x if k.startswith("reward/") and k.endswith("/mean")}
@@ -89,9 +94,19 @@ def main() -> None:
             values = [x[key] for x in part if key in x]
             if values:
                 result[f"{key}/{name}"] = sum(values) / len(values)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cache", default="", help="builtin model cache (default: a fresh one)")
+    parser.add_argument("--out", default="benchmarks/results/default_train.json")
+    args, overrides = parser.parse_known_args()
+    result = run_train(overrides, args.cache)
+    output = result.pop("output")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(output[-3000:])
+    print(output)
     print(
         json.dumps(
             {k: v for k, v in result.items() if k not in ("validation", "summary")}, indent=2

@@ -62,6 +62,12 @@ class LearnerConfig:
     """Passes over each batch (every pass makes ppo_minibatches updates)."""
     device: str = "auto"
     """auto: CUDA (NCCL) when available, else CPU (gloo)."""
+    threads: int = 0
+    """CPU threads of each learner rank's torch ops. 0 = auto: under `drmas train`, this
+    machine's CPUs shared evenly among the learner ranks and actors it starts (at least
+    1 each; DRMAS_TORCH_THREADS, when set, wins); a learner started alone keeps torch's
+    default. Two learners that each spin 2 threads on 2 cores train 10x slower than with
+    1 thread each (measured), so CPU runs must not oversubscribe."""
     timeout_s: float = 300.0
     """Timeout of every collective of the learner group."""
     per_agent_grad_norm: bool = True

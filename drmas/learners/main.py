@@ -67,6 +67,9 @@ def run_learner(cfg: DrmasConfig, model: str, rank: int, world_size: int) -> Non
     """Train `model` as rank `rank` of its learner group until train.steps or the broker
     says done; then save the model to RUN_DIR/models/<model>."""
     device = learner_device(cfg.learner.device)
+    threads = cpu_threads(cfg.learner.threads)
+    if threads:
+        torch.set_num_threads(threads)
     if cfg.weights.timeout_s >= cfg.learner.timeout_s:
         log.warning(
             "weights.timeout_s (%.0f) >= learner.timeout_s (%.0f): the other learner ranks "
@@ -347,6 +350,14 @@ def learner_device(setting: str) -> torch.device:
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
+
+
+def cpu_threads(setting: int) -> int:
+    """Threads for this process's torch ops: `setting` if > 0, else the plan `drmas train`
+    hands its children in DRMAS_TORCH_THREADS, else 0 (keep torch's default)."""
+    if setting > 0:
+        return setting
+    return max(0, int(os.environ.get("DRMAS_TORCH_THREADS", "0") or 0))
 
 
 def broadcast_int(value: int, device: torch.device) -> int:
