@@ -18,7 +18,7 @@ import collections
 import functools
 import itertools
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -181,13 +181,14 @@ def batch_samples(slices: list[GroupSlice], adv: AdvantageConfig) -> list[Sample
         for agent, version, (p0, p1, r0, r1), a in zip(
             c.agents, c.versions, c.spans, advantages.tolist()
         ):
+            # views into the group's frame, not copies: encoding the shard copies them once
             samples.append(
                 Sample(
                     agent,
-                    bytes(prompts[p0:p1]),
-                    bytes(responses[r0:r1]),
-                    bytes(logprobs[r0:r1]),
-                    float(a),
+                    cast(bytes, prompts[p0:p1]),
+                    cast(bytes, responses[r0:r1]),
+                    cast(bytes, logprobs[r0:r1]),
+                    a,
                     version,
                 )
             )
