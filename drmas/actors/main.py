@@ -326,7 +326,9 @@ class Actor:
         """Its own task: beats go on while the main loop waits for a weight group."""
         while True:
             try:
-                self.client.send(Heartbeat(self.id, self.versions(), len(self.running)))
+                self.client.send(
+                    Heartbeat(self.id, self.versions(), len(self.running), self.book.totals())
+                )
             except BrokerUnavailable as exc:  # the main loop's requests decide when to give up
                 log.warning("heartbeat not sent: %s", exc)
             await asyncio.sleep(self.heartbeat_s)

@@ -1,8 +1,9 @@
 """Where an actor's wall time goes: generating (at least one leased group in flight),
 waiting for leases (none in flight), loading weights (a publish being received and
 loaded; generation is paused meanwhile). Kept by the actor loop (drmas/actors/main.py),
-written at exit to RUN_DIR/logs/<actor id>.time.json, read by benchmarks/bench_async.py
-and `drmas report`."""
+sent with every heartbeat (the broker turns them into per-step fractions in
+metrics.jsonl) and written at exit to RUN_DIR/logs/<actor id>.time.json, read by
+benchmarks/bench_async.py and `drmas report`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-STATES = ("generating", "waiting_for_leases", "loading_weights")
+from drmas.protocol.messages import ACTOR_TIME_STATES as STATES
 
 
 class TimeBook:
@@ -24,6 +25,10 @@ class TimeBook:
         now = time.monotonic()
         self.seconds[state] += now - self.last
         self.last = now
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per state so far, the current state's open interval left out."""
+        return {state: self.seconds[state] for state in STATES}
 
     def summary(self) -> dict[str, float]:
         wall = time.monotonic() - self.start

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from drmas.protocol import ProtocolError
 from drmas.protocol.messages import (
+    ACTOR_TIME_STATES,
     BatchRequest,
     Goodbye,
     GroupResult,
@@ -64,6 +65,8 @@ MAX_TEXT = 4096
 """Characters of a free-text field (an error, a reason, a digest, an address)."""
 MAX_LEARNER_RANKS = 4096
 """World size a learner group may declare."""
+MAX_SECONDS = 1e9
+"""A time an actor may report for one state (about 30 years)."""
 
 ALLOWED: dict[type, frozenset[str]] = {
     Heartbeat: frozenset(("actor", "learner")),
@@ -212,6 +215,12 @@ class Gate:
     # one method per message type with fields to check (looked up by name in admit)
     def _Heartbeat(self, who: Sender, msg: Heartbeat) -> None:
         self._held_versions(who, msg.versions)
+        unknown = set(msg.time_s) - set(ACTOR_TIME_STATES)
+        if unknown:
+            _invalid(f"time_s names {clip(sorted(unknown), 200)}; states are {ACTOR_TIME_STATES}")
+        for state, seconds in msg.time_s.items():
+            if not (0.0 <= seconds <= MAX_SECONDS):  # NaN fails too
+                _invalid(f"time_s[{state!r}]={seconds} outside 0..{MAX_SECONDS:g} s")
 
     def _LeaseRequest(self, who: Sender, msg: LeaseRequest) -> None:
         self._held_versions(who, msg.versions)

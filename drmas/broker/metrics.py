@@ -4,7 +4,9 @@ Line for step s (= model versions after s optimizer steps) is written once every
 has reported step s and finished publishing its weights: batch statistics (rewards, scores, advantages per agent, staleness),
 learner metrics (loss, grad norms, ...), weight-sync seconds, throughput (accepted
 episodes and response tokens per second over the last 30 s), the broker's own busy
-fraction since the previous line (`broker/busy`, drmas/broker/cpu.py) and the mean team reward and
+fraction since the previous line (`broker/busy`, drmas/broker/cpu.py) and the actors'
+(`actors/generating`, `actors/waiting_for_leases`, `actors/loading_weights`, from their
+heartbeats) and the mean team reward and
 workflow metrics (`rollout/<name>`, e.g. search calls per episode) of the episodes accepted
 since the previous line. Validation
 results get lines of their own with the step they evaluated.
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from drmas.broker.cpu import CpuBook
-from drmas.protocol.messages import EpisodeHeader
+from drmas.protocol.messages import ACTOR_TIME_STATES, EpisodeHeader
 
 
 class NullSink:
@@ -66,6 +68,8 @@ class StepMetrics:
         self._episode_sums: dict[str, float] = collections.defaultdict(float)
         self._episode_counts: dict[str, int] = collections.defaultdict(int)
         self.cpu = CpuBook()  # the broker's CPU per message type (filled by the server)
+        self._actor_now: dict[str, dict[str, float]] = {}  # actor -> its latest totals
+        self._actor_line: dict[str, dict[str, float]] = {}  # ... as of the previous line
 
     def count_intake(self, episodes: int, tokens: int) -> None:
         self._intake.append((time.monotonic(), episodes, tokens))
@@ -81,6 +85,27 @@ class StepMetrics:
             for name, value in episode.metrics.items():
                 sums[name] += value
                 counts[name] += 1
+
+    def actor_time(self, actor: str, totals: dict[str, float]) -> None:
+        """An actor's heartbeat: its cumulative seconds per state."""
+        self._actor_now[actor] = dict(totals)
+
+    def forget_actor(self, actor: str) -> None:
+        self._actor_now.pop(actor, None)
+        self._actor_line.pop(actor, None)
+
+    def _actor_fractions(self) -> dict[str, float]:
+        """`actors/<state>`: the share of the connected actors' time since the previous
+        line spent generating, waiting for leases and loading weights (heartbeats carry
+        the totals, so a line lags by up to one heartbeat interval)."""
+        spent = dict.fromkeys(ACTOR_TIME_STATES, 0.0)
+        for actor, totals in self._actor_now.items():
+            before = self._actor_line.get(actor, {})
+            for state in ACTOR_TIME_STATES:
+                spent[state] += max(0.0, totals.get(state, 0.0) - before.get(state, 0.0))
+        self._actor_line = {a: dict(t) for a, t in self._actor_now.items()}
+        total = sum(spent.values())
+        return {f"actors/{s}": v / total for s, v in spent.items()} if total > 0 else {}
 
     def rates(self, now: float) -> tuple[float, float]:
         """Accepted episodes/s and response tokens/s over the last `window_s` seconds."""
@@ -115,6 +140,7 @@ class StepMetrics:
         line["episodes_per_s"], line["tokens_per_s"] = self.rates(time.monotonic())
         line["dropped_stale_groups"] = counters.get("dropped_stale_groups", 0)
         line["broker/busy"] = self.cpu.busy_since_last_line(time.monotonic())
+        line |= self._actor_fractions()
         for name, total in self._episode_sums.items():
             line[f"rollout/{name}"] = total / self._episode_counts[name]
         self._episode_sums.clear()

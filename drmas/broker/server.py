@@ -292,6 +292,8 @@ class BrokerServer:
         match msg:
             case Heartbeat():
                 st.seen(cid, now, msg.versions)
+                if msg.time_s and cid in st.table.actors:
+                    st.metrics.actor_time(cid, msg.time_s)
             case LeaseRequest():
                 validate.check_lease_request(msg, self.limits)
                 self.send(cid, st.lease(cid, msg.max_groups, msg.versions, now))

@@ -147,6 +147,7 @@ class BrokerState:
             self._requeue(record.task, record.eval_round)
             self.counters["leases_reissued"] += 1
         self.counters[ACTORS_DROPPED[why]] += 1
+        self.metrics.forget_actor(client_id)
         log.info("actor %s removed (%s)", client_id, why)
 
     def hand_back(self, client_id: str, lease_ids: list[int]) -> None:

@@ -66,6 +66,8 @@ PANELS = (
           lambda r: [k for k in ("episodes_per_s",) if r.keys(k)]),
     Panel("learner_time", "Learner seconds per step: training, waiting, publishing", "s",
           lambda r: r.keys("train_s/") + r.keys("batch_wait_s/") + r.keys("weight_sync_s/")),
+    Panel("process_time", "Share of each step: actors generating / waiting / loading, broker CPU",
+          "fraction", lambda r: r.keys("actors/") + r.keys("broker/busy")),
 )  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 Role = Literal["actor", "learner", "client"]
 
@@ -65,6 +65,12 @@ class Heartbeat(_Msg, tag="heartbeat"):
     client_id: str
     versions: dict[str, int] = {}  # model -> weight version held
     running_groups: int = 0
+    # actor: seconds spent in each of ACTOR_TIME_STATES since it started (cumulative)
+    time_s: dict[str, float] = {}
+
+
+ACTOR_TIME_STATES = ("generating", "waiting_for_leases", "loading_weights")
+"""Where an actor's time goes: a leased group in flight, none, a weight load in progress."""
 
 
 # actor -> broker on clean exit: leases it hands back unfinished; no reply.

@@ -106,7 +106,7 @@ def check_report(run_dir: Path, tmp_path: Path) -> None:
     drawn = write_report([run_dir, older], tmp_path / "report2")
     assert drawn.pop("skipped") == []
     assert {"reward", "validation_avg", "grad_norm", "advantage_std", "throughput",
-            "learner_time"} <= set(drawn)  # fmt: skip
+            "learner_time", "process_time"} <= set(drawn)  # fmt: skip
     for name, panel in drawn.items():
         image = matplotlib.image.imread(panel["file"])
         assert image.shape[0] > 100 and image.shape[1] > 100, name
@@ -144,7 +144,14 @@ def check_report(run_dir: Path, tmp_path: Path) -> None:
     assert kinds["group_result"]["count"] >= 4 * 4 and kinds["hello"]["count"] >= 3
     assert all(k["cpu_s"] > 0 for k in kinds.values()), kinds
     assert 0 < broker["busy_fraction"] < 1 and broker["cpu_s"] < broker["wall_s"]
-    assert all(0 <= x["broker/busy"] < 1 for x in lines if "val/tasks" not in x)
+    train_lines = [x for x in lines if "val/tasks" not in x]
+    assert all(0 <= x["broker/busy"] < 1 for x in train_lines)
+    # the actors' time per step, from their heartbeats: three shares that add up to 1
+    # (a line with no heartbeat since the previous one has none)
+    shares = [[x[f"actors/{s}"] for s in ("generating", "waiting_for_leases", "loading_weights")]
+              for x in train_lines if "actors/generating" in x]  # fmt: skip
+    assert len(shares) >= 2 and all(abs(sum(s) - 1) < 1e-9 for s in shares), shares
+    assert any(s[0] > 0 for s in shares), shares
     assert "older" not in {label for label, t in summary["time"].items() if "broker" in t}
     text = (out / "summary.md").read_text()
     assert "## Where the time goes" in text and "| group_result |" in text

@@ -183,6 +183,31 @@ def test_versions_beyond_what_was_published_are_refused(server: BrokerServer) ->
     assert learner.next(0.3) is None and st.versions["solver"] == 1
 
 
+def test_actor_times_in_heartbeats_are_checked_then_become_step_fractions(
+    server: BrokerServer,
+) -> None:
+    actor = Peer(server, "a")
+    assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
+    metrics = server.state.metrics
+    for bad in ({"sleeping": 1.0}, {"generating": -1.0}, {"generating": float("nan")},
+                {"generating": 1e12}):  # fmt: skip
+        actor.send(Heartbeat("a", {}, 0, bad))
+        assert refused(actor.next(), "invalid"), bad
+    assert metrics._actor_fractions() == {}  # nothing refused was kept
+    actor.send(Heartbeat("a", {}, 1, {"generating": 3.0, "waiting_for_leases": 1.0}))
+    assert actor.next(0.3) is None  # accepted: heartbeats get no reply
+    assert metrics._actor_fractions() == {
+        "actors/generating": 0.75, "actors/waiting_for_leases": 0.25,
+        "actors/loading_weights": 0.0,
+    }  # fmt: skip
+    actor.send(Heartbeat("a", {}, 1, {"generating": 4.0, "waiting_for_leases": 4.0}))
+    assert actor.next(0.3) is None
+    fractions = metrics._actor_fractions()  # only what came since the previous line
+    assert fractions["actors/generating"] == 0.25 and fractions["actors/waiting_for_leases"] == 0.75
+    server.state.drop_actor("a", "left")
+    assert metrics._actor_fractions() == {}
+
+
 def test_observers_only_read_status(server: BrokerServer) -> None:
     ops = Peer(server, "ops")
     assert isinstance(ops.hello("client", []), Welcome)
