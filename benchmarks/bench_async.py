@@ -15,9 +15,9 @@ trained episodes (steps × B × G) on the same tasks with the same learners. Par
     latency that makes them equal (stated in the result). Sim actors sleep instead of
     computing, so generation and training do not compete for the 2 cores here: this is
     the overlap a deployment gets when actors and learners have their own devices.
-(b) the real `hf` engine, 1 actor, η = 0 and 1: generation and training compete for the
+(b) the real `hf` engine, 1 actor, η = 0, 1, 2: generation and training compete for the
     same 2 cores, so overlap can only win what one side leaves idle.
-(c) the sim sweep of (a) with 2 and 4 actors (η = 0 and 1).
+(c) the sim sweep of (a) with 2 and 4 actors (η = 0, 1, 2).
 
 Per run: wall seconds (`drmas train` start to exit), steady-state episodes/s (steps after
 the first), each learner's busy fraction ((train_s + weight_sync_s) per step / seconds per
@@ -116,11 +116,10 @@ def main() -> None:
     latency = args.trial_latency * trial["train_s_per_step"] / trial["generating_s_per_step"]
     sim = [*SIM, f"actor.engine.sim_token_latency_s={latency:.4f}"]
     for actors in (1, 2, 4):
-        etas = (0, 1, 2) if actors == 1 else (0, 1)
-        for eta in etas:
+        for eta in (0, 1, 2):
             do(f"sim-a{actors}-eta{eta}", *sim, f"actor.num_actors={actors}",
                f"algorithm.max_staleness={eta}")  # fmt: skip
-    for eta in (0, 1):
+    for eta in (0, 1, 2):
         do(f"hf-a1-eta{eta}", f"algorithm.max_staleness={eta}")
 
     by_name = {r["run"]: r for r in runs}
