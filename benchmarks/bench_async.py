@@ -4,6 +4,7 @@ training take turns) against η = 1 and 2 (generation of the next batches overla
 training).
 
     python benchmarks/bench_async.py [--steps 6] [--out benchmarks/results/async.json]
+    python benchmarks/bench_async.py --balanced-reps 3 --latency 0.0172   # the spread of (a)
 
 Every run is a full `drmas train` of the default math team (broker, one gloo learner per
 model, N actor processes on loopback) for the same number of steps, so the same number of
@@ -99,7 +100,16 @@ def main() -> None:
     parser.add_argument("--trial-latency", type=float, default=0.02)
     parser.add_argument("--cache", default="", help="builtin model cache (default: a fresh one)")
     parser.add_argument("--out", default="benchmarks/results/async.json")
+    parser.add_argument("--balanced-reps", type=int, default=0,
+                        help="only repeat the balanced sim pair (1 actor, η = 0, 1, 2) this many "
+                        "times at --latency, to see the run-to-run spread")  # fmt: skip
+    parser.add_argument(
+        "--latency", type=float, default=0.0, help="sim_token_latency_s of the reps"
+    )
     args = parser.parse_args()
+    if args.balanced_reps:
+        balanced_reps(args)
+        return
     work = Path(tempfile.mkdtemp(prefix="drmas-async-"))
     cache = args.cache or str(work / "cache")
     runs: list[dict] = []
@@ -148,6 +158,39 @@ def main() -> None:
         print(f"{r['run']:>14}: {r['episodes_per_s']:6.2f} ep/s  x{r['ratio_to_eta0']:.2f}  "
               f"learners {r['learner_busy']}  actors {r['actor_busy']:.2f}  "
               f"stale {r['staleness_mean']:.2f}")  # fmt: skip
+
+
+def balanced_reps(args: argparse.Namespace) -> None:
+    """The balanced sim runs again, η = 0, 1, 2 in turn, `args.balanced_reps` times: the
+    ratio of each rep's η = 1 and 2 to its own η = 0, and their spread."""
+    if args.latency <= 0:
+        raise SystemExit("--balanced-reps needs --latency (the calibrated sim_token_latency_s)")
+    work = Path(tempfile.mkdtemp(prefix="drmas-async-reps-"))
+    cache = args.cache or str(work / "cache")
+    sim = [*SIM, f"actor.engine.sim_token_latency_s={args.latency}"]
+    reps = []
+    for rep in range(args.balanced_reps):
+        runs = {eta: run(f"rep{rep}-eta{eta}", work, cache, args.steps, *sim,
+                         f"algorithm.max_staleness={eta}") for eta in (0, 1, 2)}  # fmt: skip
+        base = runs[0]["episodes_per_s"]
+        reps.append({
+            "episodes_per_s": {eta: r["episodes_per_s"] for eta, r in runs.items()},
+            "ratio": {eta: r["episodes_per_s"] / base for eta, r in runs.items() if eta},
+            "train_s_per_step": {eta: r["train_s_per_step"] for eta, r in runs.items()},
+        })  # fmt: skip
+        print(json.dumps(reps[-1]), flush=True)
+    result = {
+        "what": "sim, 1 actor, balanced load: eta 1 and 2 against eta 0, repeated",
+        "sim_token_latency_s": args.latency,
+        "settings": [*COMMON, f"train.steps={args.steps}"],
+        "reps": reps,
+        "ratio_mean": {eta: statistics.mean(r["ratio"][eta] for r in reps) for eta in (1, 2)},
+        "ratio_min": {eta: min(r["ratio"][eta] for r in reps) for eta in (1, 2)},
+        "ratio_max": {eta: max(r["ratio"][eta] for r in reps) for eta in (1, 2)},
+    }
+    out = Path(args.out).with_name("async_balanced_reps.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("ratio_mean", "ratio_min", "ratio_max")}))
 
 
 if __name__ == "__main__":
