@@ -48,6 +48,7 @@ from drmas.protocol.messages import (
     pack_group,
 )
 from drmas.teams.base import Team
+from drmas.threads import env_threads
 from drmas.transports.channel import BrokerClient, BrokerRefused, BrokerUnavailable
 from drmas.transports.weights import NamedTensors, WeightReceiver
 
@@ -383,7 +384,7 @@ def run_actor(cfg: DrmasConfig, actor_id: str = "") -> None:
     """Entry point of `drmas actor`: run until the broker says Shutdown, or SIGTERM/SIGINT."""
     import torch
 
-    torch.set_num_threads(max(1, int(os.environ.get("DRMAS_TORCH_THREADS", "1"))))
+    torch.set_num_threads(env_threads() or 1)
     actor = Actor(cfg, actor_id or cfg.actor.id or default_actor_id())
 
     def stop(signum: int, _frame: object) -> None:

@@ -20,7 +20,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import random
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from drmas.launch.config import DrmasConfig
 from drmas.launch.ports import free_port
 from drmas.launch.train import prepare_run
 from drmas.protocol.messages import Episode, Sample, SamplingParams, Step, Task
+from drmas.threads import env_threads
 
 log = logging.getLogger("drmas.probe")
 
@@ -45,7 +45,7 @@ def run_probe(cfg: DrmasConfig) -> int:
     from drmas.learners.probe import AgentRows, grad_sq_norms, summarise
     from drmas.learners.trainer import Trainer
 
-    torch.set_num_threads(max(1, int(os.environ.get("DRMAS_TORCH_THREADS", "1"))))
+    torch.set_num_threads(env_threads() or 1)
     cfg, run_dir, _ = prepare_run(cfg)
     p = cfg.probe
     size = p.group_size or cfg.group_size

@@ -29,11 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-from drmas.launch.config import DrmasConfig, team_class, to_yaml
+from drmas.launch.config import ConfigError, DrmasConfig, team_class, to_yaml
 from drmas.launch.placement import Placement, plan_placement, visible_gpus
 from drmas.launch.ports import free_port
 from drmas.launch.progress import Progress
 from drmas.launch.supervisor import Supervisor
+from drmas.threads import env_threads
 
 
 def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path, Placement | None]:
@@ -86,8 +87,12 @@ def thread_plan(cfg: DrmasConfig) -> int:
     set, wins). The broker is not counted: it is one Python thread, mostly waiting.
     Oversubscribing is what costs: two learners spinning 2 OpenMP threads each on 2 cores
     took 10 s per step where 1 thread each took 0.8 s."""
-    if os.environ.get("DRMAS_TORCH_THREADS"):
-        return max(1, int(os.environ["DRMAS_TORCH_THREADS"]))
+    try:
+        asked = env_threads()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if asked is not None:
+        return asked
     processes = sum(cfg.world_size_of(m) for m in cfg.models) + cfg.actor.num_actors
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cpus or 1) // max(1, processes))
@@ -98,8 +103,8 @@ def start_children(
 ) -> None:
     cli = [sys.executable, "-m", "drmas.launch.cli"]
     config = ["--config", str(run_dir / "config.yaml")]
-    sup.start("broker", "broker", [*cli, "broker", *config])
     threads = {"DRMAS_TORCH_THREADS": str(thread_plan(cfg))}
+    sup.start("broker", "broker", [*cli, "broker", *config])
     for model in sorted(cfg.models):
         world = cfg.world_size_of(model)
         port = str(free_port())
@@ -212,6 +217,7 @@ def train(cfg: DrmasConfig, overrides: list[str] | None = None) -> int:
             if finished:
                 print(finished, file=sys.stderr)
                 return 0
+        thread_plan(cfg)  # a bad DRMAS_TORCH_THREADS is refused here too
         cfg, run_dir, placement = prepare_run(cfg)
     except (FileNotFoundError, ValueError) as exc:  # a bad model path: nothing started yet
         print(f"drmas train: {exc}", file=sys.stderr)

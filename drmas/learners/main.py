@@ -48,6 +48,7 @@ from drmas.protocol.messages import (
     StepReport,
     WeightGroupPlan,
 )
+from drmas.threads import env_threads
 from drmas.transports.channel import BrokerClient
 from drmas.transports.digest import Digest, hashing
 from drmas.transports.weights import WeightSender, WeightSyncError
@@ -357,7 +358,7 @@ def cpu_threads(setting: int) -> int:
     hands its children in DRMAS_TORCH_THREADS, else 0 (keep torch's default)."""
     if setting > 0:
         return setting
-    return max(0, int(os.environ.get("DRMAS_TORCH_THREADS", "0") or 0))
+    return env_threads() or 0
 
 
 def broadcast_int(value: int, device: torch.device) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,27 @@ def test_cpu_book_sums_per_kind_and_reports_busy_fractions() -> None:
     assert first == pytest.approx(0.0061 / (now - book.started))
     book.add("heartbeat", 0.001)
     assert book.busy_since_last_line(now + 0.1) == pytest.approx(0.01)  # only what came since
+
+
+@pytest.mark.parametrize("value", ["x", "0", "-2", "1.5"])
+def test_a_bad_drmas_torch_threads_is_refused_saying_what_to_set(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("DRMAS_TORCH_THREADS", value)
+    with pytest.raises(ValueError, match=r"DRMAS_TORCH_THREADS=.*whole number of threads >= 1"):
+        thread_plan(load_config([]))
+    with pytest.raises(ValueError, match="whole number"):
+        cpu_threads(0)
+    assert cpu_threads(3) == 3  # learner.threads set: the variable is not read
+
+
+def test_drmas_train_refuses_a_bad_variable_before_starting_anything(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from drmas.launch.train import train
+
+    monkeypatch.setenv("DRMAS_TORCH_THREADS", "two")
+    run_dir = tmp_path / "run"
+    assert train(load_config([f"run.dir={run_dir}"])) == 2
+    assert "DRMAS_TORCH_THREADS='two'" in capsys.readouterr().err
+    assert not run_dir.exists()
