@@ -265,7 +265,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--actors", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--agents", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-groups", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/broker_scale.json")
     args = parser.parse_args()
