@@ -173,7 +173,10 @@ def test_sigterm_detach_hands_back_leases(tmp_path: Path, model_cache: Path) -> 
     finally:
         stop_all(train, leaver)
     c = check_complete(read_summary(run_dir), steps)
-    assert c["actors_left"] == 1 and c.get("actors_lost", 0) == 0, c
+    # the leaver left cleanly (the run's own actor may also say Goodbye after the Shutdown,
+    # if it reaches the broker before the learners are done saving)
+    assert c["actors_left"] >= 1 and c.get("actors_lost", 0) == 0, c
+    assert "actor leaver removed (left)" in (run_dir / "logs" / "broker.log").read_text()
     assert c["leases_handed_back"] >= 1 and c.get("leases_reissued", 0) == 0, c
     assert "handed back" in (run_dir / "extra-leaver.log").read_text()
 
