@@ -32,7 +32,7 @@ class TimeBook:
 
     def summary(self) -> dict[str, float]:
         wall = time.monotonic() - self.start
-        out = {"wall_s": wall, **{f"{s}_s": self.seconds[s] for s in STATES}}
+        out = {"wall_s": wall, **{f"{s}_s": v for s, v in self.totals().items()}}
         out["busy_fraction"] = self.seconds["generating"] / wall if wall > 0 else 0.0
         return out
 

@@ -1,15 +1,16 @@
 """The run's metrics.jsonl, written by the broker (the one process that sees everything).
 
 Line for step s (= model versions after s optimizer steps) is written once every model
-has reported step s and finished publishing its weights: batch statistics (rewards, scores, advantages per agent, staleness),
-learner metrics (loss, grad norms, ...), weight-sync seconds, throughput (accepted
-episodes and response tokens per second over the last 30 s), the broker's own busy
-fraction since the previous line (`broker/busy`, drmas/broker/cpu.py) and the actors'
-(`actors/generating`, `actors/waiting_for_leases`, `actors/loading_weights`, from their
-heartbeats) and the mean team reward and
-workflow metrics (`rollout/<name>`, e.g. search calls per episode) of the episodes accepted
-since the previous line. Validation
-results get lines of their own with the step they evaluated.
+has reported step s and finished publishing its weights. It holds:
+- batch statistics (rewards, scores, advantages per agent, staleness);
+- learner metrics (loss, grad norms, train_s, batch_wait_s, weight_sync_s, ...);
+- throughput: accepted episodes and response tokens per second over the last 30 s;
+- where the time went since the previous line: the broker's busy fraction
+  (`broker/busy`, drmas/broker/cpu.py) and the actors' shares (`actors/generating`,
+  `actors/waiting_for_leases`, `actors/loading_weights`, from their heartbeats);
+- the mean team reward and workflow metrics (`rollout/<name>`, e.g. search calls per
+  episode) of the episodes accepted since the previous line.
+Validation results get lines of their own with the step they evaluated.
 """
 
 from __future__ import annotations
