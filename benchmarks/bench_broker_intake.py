@@ -64,7 +64,7 @@ def make_frames(groups: int, group_size: int, leases: list[tuple[int, int]]) -> 
 
 def broker_main(cfg_path: str, ready: mp.Queue) -> None:
     from drmas.broker.server import BrokerServer
-    from drmas.launch.config import load_config
+    from drmas.config import load_config
 
     cfg = load_config([], cfg_path)
     server = BrokerServer(cfg, None)
@@ -86,7 +86,7 @@ def broker_main(cfg_path: str, ready: mp.Queue) -> None:
 
 
 def run_drmas(groups: int, group_size: int, workdir: Path) -> float:
-    from drmas.launch.config import load_config, to_yaml
+    from drmas.config import load_config, to_yaml
     from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode
     from drmas.protocol.messages import Accepted, Hello, LeaseRequest
 
@@ -179,7 +179,7 @@ def run_raw(frames: list[bytes]) -> float:
 def cut_cost(frames: list[bytes], batch_groups: int = 100) -> float:
     """Microseconds per group to turn buffered groups into advantages, samples and shards."""
     from drmas.broker.buffers import batch_samples, shard, split_group
-    from drmas.broker.config import AdvantageConfig
+    from drmas.config.broker import AdvantageConfig
     from drmas.protocol import decode_to_broker
     from drmas.protocol.messages import GroupResult
 

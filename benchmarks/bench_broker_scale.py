@@ -43,7 +43,7 @@ G, PROMPT, RESPONSE, VOCAB, LEASES_PER_REQUEST = 8, 128, 256, 32_000, 2
 
 def write_config(work: Path, agents: int, actors: int, steps: int, batch_groups: int) -> Path:
     """A run config for `agents` agents, each with its own (fake) model folder."""
-    from drmas.launch.config import config_dict, load_config
+    from drmas.config import config_dict, load_config
 
     base = config_dict(
         load_config(
@@ -76,7 +76,7 @@ def write_config(work: Path, agents: int, actors: int, steps: int, batch_groups:
 
 def broker_main(cfg_path: str, ready: mp.Queue, out: str) -> None:
     from drmas.broker.server import BrokerServer
-    from drmas.launch.config import load_config
+    from drmas.config import load_config
 
     server = BrokerServer(load_config([], cfg_path), None)
     ready.put(server.address)

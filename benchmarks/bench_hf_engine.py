@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from drmas.actors.config import EngineConfig
 from drmas.actors.engines.base import GenerateRequest
 from drmas.actors.engines.hf import HFEngine
+from drmas.config.actor import EngineConfig
+from drmas.config.model import WarmStartConfig
 from drmas.models.builtin import ARITHMETIC, resolve_model_path, transcript
-from drmas.models.config import WarmStartConfig
 
 
 def prompts(batch: int) -> list[str]:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 import msgpack  # noqa: E402
 
 from drmas.broker.server import BrokerServer  # noqa: E402
-from drmas.launch.config import load_config  # noqa: E402
+from drmas.config import load_config  # noqa: E402
 from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode  # noqa: E402
 from drmas.protocol.messages import (  # noqa: E402
     ErrorReply,

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from drmas.actors.config import EngineConfig
 from drmas.actors.engines.sim import SimEngine
+from drmas.config.actor import EngineConfig
+from drmas.config.transport import WeightSyncConfig
 from drmas.protocol.messages import JoinWeightGroup
-from drmas.transports.config import WeightSyncConfig
 from drmas.transports.digest import digest_of
 from drmas.transports.weights import WeightReceiver, WeightSender
 

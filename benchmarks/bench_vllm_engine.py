@@ -35,13 +35,13 @@ from typing import Any
 
 import torch
 
-from drmas.actors.config import EngineConfig
 from drmas.actors.engines.base import GenerateRequest
 from drmas.actors.engines.vllm import VLLMEngine
+from drmas.config.actor import EngineConfig
+from drmas.config.model import WarmStartConfig
+from drmas.config.transport import WeightSyncConfig
 from drmas.models.builtin import ARITHMETIC, resolve_model_path, transcript
-from drmas.models.config import WarmStartConfig
 from drmas.protocol.messages import JoinWeightGroup
-from drmas.transports.config import WeightSyncConfig
 from drmas.transports.weights import WeightSender
 
 EAGER = {"enforce_eager": True}  # no torch.compile warm-up: the same on both sides

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from drmas.config.transport import WeightSyncConfig
 from drmas.protocol.messages import JoinWeightGroup
-from drmas.transports.config import WeightSyncConfig
 from drmas.transports.weights import WeightReceiver, WeightSender, spec_of
 
 TIMEOUT = datetime.timedelta(seconds=120)

@@ -30,8 +30,9 @@ from typing import TypeVar
 from drmas.actors.engines import ReceivesWeights, RollsBack, make_engine
 from drmas.actors.engines.base import Engine
 from drmas.actors.timebook import TimeBook
-from drmas.launch.config import DrmasConfig, team_class
-from drmas.models.config import weights_dtype
+from drmas.config import DrmasConfig
+from drmas.config.model import weights_dtype
+from drmas.plugins import team_class
 from drmas.protocol.messages import (
     Accepted,
     Episode,

@@ -23,7 +23,7 @@ from typing import NamedTuple, cast
 import numpy as np
 
 from drmas.broker.advantages import compute_advantages
-from drmas.broker.config import AdvantageConfig
+from drmas.config.broker import AdvantageConfig
 from drmas.protocol.messages import BatchShard, GroupResult, Sample, Task
 
 

@@ -30,7 +30,7 @@ from drmas.protocol.messages import JoinWeightGroup, WeightGroupPlan
 
 if TYPE_CHECKING:
     from drmas.broker.metrics import StepMetrics
-    from drmas.launch.config import DrmasConfig
+    from drmas.config import DrmasConfig
 
 log = logging.getLogger("drmas.broker")
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from drmas.broker.advantages import compute_advantages
-from drmas.broker.config import AdvantageConfig
+from drmas.config.broker import AdvantageConfig
 from drmas.protocol.arrays import unpack_ids
 from drmas.protocol.messages import GroupResult, Task
 

@@ -36,7 +36,8 @@ from drmas.broker.samples import SampleWriter, transcript_markdown
 from drmas.broker.state import BrokerState
 from drmas.broker.trackers import FanOut, make_sink
 from drmas.checkpoints.broker_state import BrokerCheckpoints
-from drmas.launch.config import DrmasConfig, config_dict, team_class
+from drmas.config import DrmasConfig, config_dict
+from drmas.plugins import team_class
 from drmas.protocol import (
     PROTOCOL_VERSION,
     Limits,

@@ -27,7 +27,7 @@ from drmas.broker.evaluation import EvalRound
 from drmas.broker.leases import ActorRecord, LearnerRecord, LeaseTable
 from drmas.broker.metrics import NullSink, StepMetrics
 from drmas.broker.publishing import WeightPublishing
-from drmas.launch.config import DrmasConfig
+from drmas.config import DrmasConfig
 from drmas.protocol import ProtocolError
 from drmas.protocol.messages import (
     ActorStatus,

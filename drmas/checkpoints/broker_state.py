@@ -44,7 +44,7 @@ from drmas.checkpoints import store
 
 if TYPE_CHECKING:
     from drmas.broker.state import BrokerState
-    from drmas.launch.config import DrmasConfig
+    from drmas.config import DrmasConfig
 
 log = logging.getLogger("drmas.broker")
 

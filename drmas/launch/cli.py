@@ -28,15 +28,15 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from drmas.launch.config import DrmasConfig
+    from drmas.config import DrmasConfig
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="drmas", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    from drmas.launch.config import DrmasConfig  # no torch: --help stays instant
-    from drmas.launch.schema import options_help
+    from drmas.config import DrmasConfig  # no torch: --help stays instant
+    from drmas.config.schema import options_help
 
     epilog = options_help(DrmasConfig)
 
@@ -232,8 +232,8 @@ def _keys(folder: str, clients: str, *, force: bool) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from drmas.launch.config import ConfigError, load_config
-    from drmas.launch.schema import config_text
+    from drmas.config import ConfigError, load_config
+    from drmas.config.schema import config_text
 
     group, overrides = args.group, list(args.overrides)
     if "=" in group:  # `drmas config key=value`: an override, no group
@@ -250,7 +250,7 @@ def _config(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from drmas.launch.config import ConfigError, load_config
+    from drmas.config import ConfigError, load_config
     from drmas.launch.evaluate import EvalError, EvalSettings, format_table, run_eval
 
     run_dir, overrides = args.run_dir, list(args.overrides)
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return show(Path(args.run_dir), args.last)
 
-    from drmas.launch.config import ConfigError, load_config
+    from drmas.config import ConfigError, load_config
 
     if args.command == "config":
         return _config(args)

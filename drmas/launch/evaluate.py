@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from drmas.broker.evaluation import EvalRound
-from drmas.launch.config import DrmasConfig
+from drmas.config import DrmasConfig
 from drmas.protocol.messages import SamplingParams, Task
 
 log = logging.getLogger("drmas.eval")

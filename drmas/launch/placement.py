@@ -19,34 +19,13 @@ LOCAL_RANK=0 whatever their rank.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from drmas.launch.config import DrmasConfig
+    from drmas.config import DrmasConfig
 
-SHARE_MODES = ("auto", "exclusive", "shared")
 _ENGINES_WITH_MEMORY = ("vllm", "sglang")  # engines that reserve a fraction of the GPU
-
-
-@dataclass
-class PlacementConfig:
-    """GPU placement of the processes `drmas train` starts on this node."""
-
-    gpus: int = -1
-    """GPUs to place on; -1 = every CUDA device torch sees. 0 (or none found, or
-    learner.device=cpu with CPU engines) = a CPU run: nothing is placed."""
-    share: str = "auto"
-    """auto: actors get GPUs of their own when enough are left after one per learner
-    rank, else they share the learners'; exclusive: refuse to share; shared: always put
-    actors on the learners' GPUs (a one-GPU node, or to keep GPUs free)."""
-    learners: dict[str, list[int]] = field(default_factory=dict)
-    """Explicit: model -> one GPU index per learner rank (models not listed: automatic)."""
-    actors: dict[str, list[int]] = field(default_factory=dict)
-    """Explicit: actor index ("0", "1", ...) -> the GPUs its engines use."""
-    learner_memory: float = 0.5
-    """On a GPU that a learner rank shares with engines: the fraction of memory kept for
-    the learner; the engines' gpu_memory_utilization there must sum to at most the rest."""
 
 
 class PlacementError(ValueError):
@@ -121,9 +100,6 @@ def plan_placement(cfg: DrmasConfig, gpus: int) -> Placement | None:
     """The plan for `gpus` GPUs (None: a CPU run). Raises PlacementError."""
     if gpus <= 0:
         return None
-    pc = cfg.placement
-    if pc.share not in SHARE_MODES:
-        raise PlacementError(f"placement.share={pc.share!r} is not one of {list(SHARE_MODES)}")
     learners = _learner_gpus(cfg, gpus)
     actors = _actor_gpus(cfg, gpus, learners)
     _check_memory(cfg, learners, actors)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from drmas.broker.advantages import compute_advantages
-from drmas.launch.config import DrmasConfig
+from drmas.config import DrmasConfig
 from drmas.launch.ports import free_port
 from drmas.launch.train import prepare_run
 from drmas.protocol.messages import Episode, Sample, SamplingParams, Step, Task

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from drmas.launch.config import DrmasConfig
+from drmas.config import DrmasConfig
 
 log = logging.getLogger("drmas.broker")
 

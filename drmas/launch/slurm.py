@@ -54,7 +54,7 @@ def _first_host(nodelist: str) -> str:
 
 def run_role(job: Any) -> None:
     """Run one role as this Slurm task (the body of each submitted job)."""
-    from drmas.launch.config import ConfigError, load_config
+    from drmas.config import ConfigError, load_config
 
     if job.role not in ROLES:
         raise ConfigError(
@@ -91,7 +91,7 @@ def run_role(job: Any) -> None:
 def main() -> None:
     import hydra
 
-    from drmas.launch.config import config_dir
+    from drmas.config import config_dir
 
     app = hydra.main(
         config_path=str(config_dir() / "slurm"), config_name="launch", version_base="1.3"

@@ -14,9 +14,9 @@ def print_status(
     address: str, *, as_json: bool, timeout_s: float, keys_dir: str = "", client_name: str = ""
 ) -> int:
     """Ask once; a CURVE broker needs keys_dir and one of its client key pairs."""
+    from drmas.config.transport import SecurityConfig
     from drmas.protocol.messages import StatusReply, StatusRequest
     from drmas.transports.channel import BrokerClient, BrokerUnavailable
-    from drmas.transports.config import SecurityConfig
     from drmas.transports.security import SecurityError, find_client
 
     if keys_dir and not client_name:  # any authorised pair may ask; prefer "default"

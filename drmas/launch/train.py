@@ -29,11 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-from drmas.launch.config import ConfigError, DrmasConfig, team_class, to_yaml
+from drmas.config import ConfigError, DrmasConfig, to_yaml
 from drmas.launch.placement import Placement, plan_placement, visible_gpus
 from drmas.launch.ports import free_port
 from drmas.launch.progress import Progress
 from drmas.launch.supervisor import Supervisor
+from drmas.plugins import team_class
 from drmas.threads import env_threads
 
 
@@ -134,8 +135,8 @@ def resumed_config(cfg: DrmasConfig, overrides: list[str] | None = None) -> Drma
     with --config) with this command line's `overrides` applied on top, continuing in
     RUN_DIR, with a fresh broker port if the port was free. A config group (experiment=,
     deploy=) cannot be changed on a saved config: ConfigError says what to run instead."""
-    from drmas.launch.config import ConfigError, load_config
-    from drmas.launch.schema import GROUPS
+    from drmas.config import ConfigError, load_config
+    from drmas.config.schema import GROUPS
 
     run_dir = Path(cfg.run.resume).resolve()
     saved = run_dir / "config.yaml"

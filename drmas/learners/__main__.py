@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     args = parser.parse_args(argv)
 
-    from drmas.launch.config import ConfigError, load_config
+    from drmas.config import ConfigError, load_config
 
     cfg = load_config(list(args.overrides), args.config)
     if args.model not in cfg.models:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from drmas.learners.config import LossConfig
+from drmas.config.learner import LossConfig
 
 # exp() of a log-ratio beyond this overflows float32 and turns gradients into NaN (0 · inf);
 # a ratio of e^20 is clipped by PPO long before, so the clamp changes no real loss value.

@@ -54,7 +54,7 @@ from drmas.transports.digest import Digest, hashing
 from drmas.transports.weights import WeightSender, WeightSyncError
 
 if TYPE_CHECKING:
-    from drmas.launch.config import DrmasConfig
+    from drmas.config import DrmasConfig
 
 log = logging.getLogger("drmas.learner")
 

@@ -21,15 +21,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from drmas.config.model import weights_dtype
 from drmas.learners.batching import MicroBatch, empty_micro_batch, split_by_agent
 from drmas.learners.loss import policy_loss, token_logprobs_and_entropy
-from drmas.models.config import weights_dtype
 from drmas.protocol.arrays import unpack_ids
 from drmas.protocol.messages import BatchShard
 from drmas.transports.weights import TensorSpec
 
 if TYPE_CHECKING:
-    from drmas.launch.config import DrmasConfig
+    from drmas.config import DrmasConfig
 
 log = logging.getLogger("drmas.learner")
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from drmas.cache import default_cache_dir
+from drmas.config.model import WarmStartConfig
 from drmas.filelock import file_lock
-from drmas.models.config import WarmStartConfig
 from drmas.models.hub import looks_like_hub_id, resolve_hub_id
 from drmas.models.vocab import (
     ALPHABET,
@@ -100,7 +100,7 @@ WARM_STARTS: dict[str, str | TranscriptSource] = {
 
 def transcript_source(workflow: str) -> TranscriptSource:
     """The TranscriptSource of `warmstart.workflow`: a name in WARM_STARTS or a target."""
-    from drmas.teams.loader import load_object
+    from drmas.plugins import load_object
 
     entry = WARM_STARTS.get(workflow, workflow)
     source = load_object(entry, "warmstart.workflow") if isinstance(entry, str) else entry

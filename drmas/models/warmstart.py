@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from drmas.models.config import WarmStartConfig
+from drmas.config.model import WarmStartConfig
 
 if TYPE_CHECKING:
     import torch

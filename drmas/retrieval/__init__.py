@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from drmas.retrieval.config import RETRIEVERS, RetrieverConfig
+from drmas.config.retrieval import RETRIEVERS, RetrieverConfig
 from drmas.retrieval.corpus import CorpusError, Passage, corpus_fingerprint, load_corpus
 
 if TYPE_CHECKING:
-    from drmas.tasks.config import TaskConfig
+    from drmas.config.task import TaskConfig
 
 __all__ = [
     "RETRIEVERS",

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from drmas.retrieval.corpus import Passage, format_contents
 
 if TYPE_CHECKING:
-    from drmas.launch.config import DrmasConfig
+    from drmas.config import DrmasConfig
     from drmas.retrieval import Retriever
 
 log = logging.getLogger("drmas.retrieval")

@@ -27,9 +27,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from drmas.config.task import TaskConfig
+from drmas.plugins import load_object
 from drmas.protocol.messages import Task
-from drmas.tasks.config import TaskConfig
-from drmas.teams.loader import load_object
 
 FILE_KINDS = ("jsonl", "parquet")
 BUILTIN_SOURCES = {

@@ -2,7 +2,7 @@
 one agent call = one protocol Step, tool calls, and the reward hook.
 
 A team is one class (drmas/teams/math, drmas/teams/search, or your own file, loaded by
-drmas/teams/loader.py from `workflow.name` / `workflow.target`). It declares
+drmas/plugins.py from `workflow.name` / `workflow.target`). It declares
 
     name, agents            its agent names (the config's `agents` must name the same)
     default_instructions    prompt style -> agent -> role instruction
@@ -28,15 +28,15 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from drmas.actors.config import WorkflowConfig
 from drmas.actors.engines.base import Engine, GenerateRequest
+from drmas.config.actor import WorkflowConfig
+from drmas.plugins import load_object
 from drmas.protocol.arrays import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, SamplingParams, Step, Task
 from drmas.teams.layout import TeamLayout
-from drmas.teams.loader import load_object
 
 if TYPE_CHECKING:
-    from drmas.launch.config import DrmasConfig
+    from drmas.config import DrmasConfig
 
 Turns = Sequence[tuple[str, str]]
 """Team context so far: (agent name, tool name or other label key, text)."""

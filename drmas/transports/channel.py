@@ -38,6 +38,7 @@ from typing import TypeVar
 
 import zmq
 
+from drmas.config.transport import SecurityConfig
 from drmas.protocol import (
     PROTOCOL_VERSION,
     ProtocolError,
@@ -45,7 +46,6 @@ from drmas.protocol import (
     encode,
 )
 from drmas.protocol.messages import ErrorReply, FromBroker, Hello, Role, Welcome
-from drmas.transports.config import SecurityConfig
 from drmas.transports.security import check_bind, secure_client, secure_server
 
 T = TypeVar("T")

@@ -39,7 +39,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from drmas.transports.config import SecurityConfig
+from drmas.config.transport import SecurityConfig
 
 log = logging.getLogger("drmas.transports.security")
 

@@ -56,8 +56,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from drmas.config.transport import WeightSyncConfig
 from drmas.protocol.messages import JoinWeightGroup
-from drmas.transports.config import WeightSyncConfig
 
 log = logging.getLogger("drmas.weights")
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from drmas.config.transport import WeightSyncConfig
 from drmas.protocol.messages import JoinWeightGroup
-from drmas.transports.config import WeightSyncConfig
 from drmas.transports.weights import WeightReceiver, WeightSender
 from tests.integration.test_fsdp_learner import (
     MODEL,
@@ -120,9 +120,9 @@ def test_nccl_weight_broadcast_is_bit_identical(tmp_path: Path) -> None:
 
 
 def test_hf_engine_generates_on_cuda(tmp_path: Path) -> None:
-    from drmas.actors.config import EngineConfig
     from drmas.actors.engines.base import GenerateRequest
     from drmas.actors.engines.hf import HFEngine
+    from drmas.config.actor import EngineConfig
 
     folder = tiny_qwen2(tmp_path / "model")
     engine = HFEngine(MODEL, folder, EngineConfig(device="cuda", dtype="bfloat16", max_batch=32))

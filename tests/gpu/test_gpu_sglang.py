@@ -70,11 +70,11 @@ def reference_logprobs(model, prompt_ids: list[int], tokens: list[int]) -> list[
 
 
 def test_sglang_generates_and_takes_a_publish(tmp_path: Path) -> None:
-    from drmas.actors.config import EngineConfig
     from drmas.actors.engines.base import GenerateRequest
     from drmas.actors.engines.sglang import SGLangEngine, SGLangOptions
+    from drmas.config.actor import EngineConfig
+    from drmas.config.transport import WeightSyncConfig
     from drmas.protocol.messages import JoinWeightGroup
-    from drmas.transports.config import WeightSyncConfig
     from drmas.transports.weights import WeightReceiver, WeightSender
 
     folder = tmp_path / "model"

@@ -33,7 +33,7 @@ pytestmark = [
 CHILD = """
 import asyncio, json, sys, time
 import msgspec
-from drmas.actors.config import EngineConfig
+from drmas.config.actor import EngineConfig
 from drmas.actors.engines.base import GenerateRequest
 from drmas.actors.engines.vllm import VLLMEngine
 from drmas.protocol.messages import JoinWeightGroup
@@ -69,8 +69,8 @@ if __name__ == "__main__":
 
 
 def test_vllm_engine_receives_an_nccl_publish(tmp_path: Path) -> None:
+    from drmas.config.transport import WeightSyncConfig
     from drmas.protocol.messages import JoinWeightGroup
-    from drmas.transports.config import WeightSyncConfig
     from drmas.transports.digest import digest_of
     from drmas.transports.weights import WeightSender
     from tests.integration.test_fsdp_learner import tiny_qwen2

@@ -21,9 +21,9 @@ import yaml
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from drmas.config.transport import SecurityConfig
 from drmas.protocol.messages import StatusRequest, Welcome
 from drmas.transports.channel import BrokerClient, BrokerRefused, BrokerUnavailable
-from drmas.transports.config import SecurityConfig
 from drmas.transports.security import write_keys
 from tests.integration.conftest import FAST, REPO, drmas, read_summary
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import pytest
 
 from drmas.broker.state import BrokerState
-from drmas.launch.config import load_config
+from drmas.config import load_config
 from drmas.protocol.messages import NoBatch
 from drmas.tasks.source import TaskSource
 from tests.integration.conftest import (

@@ -70,9 +70,9 @@ def tiny_qwen2(folder: Path) -> Path:
 
 
 def make_config(model_dir: Path):  # -> DrmasConfig
-    from drmas.launch.config import AgentConfig, DrmasConfig
-    from drmas.learners.config import LearnerConfig
-    from drmas.models.config import ModelConfig
+    from drmas.config import AgentConfig, DrmasConfig
+    from drmas.config.learner import LearnerConfig
+    from drmas.config.model import ModelConfig
 
     cfg = DrmasConfig(
         models={MODEL: ModelConfig(path=str(model_dir), lr=1e-3)},

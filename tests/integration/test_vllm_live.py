@@ -18,14 +18,14 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm not installed (see README: Engines)")
 
-from drmas.actors.config import EngineConfig
 from drmas.actors.engines import make_engine
 from drmas.actors.engines.base import GenerateRequest, GenerateResult
 from drmas.actors.engines.vllm import VLLMEngine
+from drmas.config.actor import EngineConfig
+from drmas.config.model import WarmStartConfig
+from drmas.config.transport import WeightSyncConfig
 from drmas.models.builtin import resolve_model_path
-from drmas.models.config import WarmStartConfig
 from drmas.protocol.messages import JoinWeightGroup
-from drmas.transports.config import WeightSyncConfig
 from drmas.transports.digest import digest_of
 from drmas.transports.weights import WeightSender
 from tests.integration.conftest import FAST, drmas, read_summary

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import torch
 
+from drmas.config.transport import WeightSyncConfig
 from drmas.protocol.messages import JoinWeightGroup
-from drmas.transports.config import WeightSyncConfig
 from drmas.transports.weights import (
     Header,
     TensorSpec,

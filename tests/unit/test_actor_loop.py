@@ -13,7 +13,7 @@ import zmq
 from drmas.actors import main as actor_main
 from drmas.actors.engines import make_engine
 from drmas.actors.main import Actor
-from drmas.launch.config import load_config
+from drmas.config import load_config
 from drmas.protocol import decode_to_broker, encode
 from drmas.protocol.messages import Goodbye, Hello, LeaseRequest, Leases, Shutdown, Welcome
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from drmas.broker.server import BrokerServer
-from drmas.launch.config import load_config
+from drmas.config import load_config
 from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode, pack_ids, pack_logprobs
 from drmas.protocol.messages import (
     BatchRequest,

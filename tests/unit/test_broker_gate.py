@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from drmas.broker.server import BrokerServer
-from drmas.launch.config import load_config
+from drmas.config import load_config
 from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode
 from drmas.protocol.codec import ProtocolError, decode_to_broker
 from drmas.protocol.messages import (

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from drmas.broker.state import BrokerState
-from drmas.launch.config import load_config
+from drmas.config import load_config
 from drmas.protocol import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, GroupResult, NoBatch, Step, pack_group
 from drmas.tasks.source import TaskSource

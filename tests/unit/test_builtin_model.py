@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from drmas.config.model import WarmStartConfig
 from drmas.models import builtin
-from drmas.models.config import WarmStartConfig
 from drmas.teams.math import prompts as mp
 
 torch.set_num_threads(1)
@@ -267,7 +267,7 @@ def test_solver_accuracy_grades_boxed_answers(folder: Path) -> None:
 def test_warm_start_never_shows_a_validation_question() -> None:
     """The default run validates on held-out questions that nothing trained on: RL never
     leases them (tasks/arithmetic.py) and the warm start never writes them."""
-    from drmas.launch.config import load_config
+    from drmas.config import load_config
     from drmas.tasks.source import TaskSource
 
     cfg = load_config([])

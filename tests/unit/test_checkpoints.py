@@ -11,10 +11,10 @@ import pytest
 
 from drmas.broker.state import BrokerState
 from drmas.checkpoints import broker_state, store
-from drmas.launch.config import load_config
+from drmas.config import load_config
+from drmas.config.task import TaskConfig
 from drmas.protocol import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, GroupResult, Step, pack_group
-from drmas.tasks.config import TaskConfig
 from drmas.tasks.source import TaskSource
 
 

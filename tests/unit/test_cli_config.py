@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from drmas.config import ConfigError, load_config, to_yaml
 from drmas.launch.cli import main as cli
-from drmas.launch.config import ConfigError, load_config, to_yaml
 from drmas.launch.train import resumed_config
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from drmas.broker.cpu import CpuBook
-from drmas.launch.config import load_config
+from drmas.config import load_config
 from drmas.launch.train import thread_plan
 from drmas.learners.main import cpu_threads
 

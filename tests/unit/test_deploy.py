@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from drmas.launch.config import ConfigError, load_config
+from drmas.config import ConfigError, load_config
 from drmas.launch.slurm import _first_host, torch_distributed_env
 from drmas.transports.weights import advertised_host
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from drmas.launch.config import load_config
+from drmas.config import load_config
 from drmas.launch.evaluate import EvalError, EvalSettings, choose_weights, format_table, score
 from drmas.protocol.messages import Task
 

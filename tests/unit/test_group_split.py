@@ -15,7 +15,7 @@ import pytest
 
 from drmas.broker.advantages import compute_advantages
 from drmas.broker.buffers import ModelBuffer, batch_samples, split_group
-from drmas.broker.config import AdvantageConfig
+from drmas.config.broker import AdvantageConfig
 from drmas.protocol import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, Step, pack_group
 

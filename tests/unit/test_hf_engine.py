@@ -11,11 +11,11 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from drmas.actors.config import EngineConfig
 from drmas.actors.engines.base import GenerateRequest, GenerateResult
 from drmas.actors.engines.hf import HFEngine
+from drmas.config.actor import EngineConfig
+from drmas.config.model import WarmStartConfig
 from drmas.models.builtin import resolve_model_path
-from drmas.models.config import WarmStartConfig
 
 torch.set_num_threads(1)
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from drmas.config.learner import LossConfig
 from drmas.learners import loss as loss_module
-from drmas.learners.config import LossConfig
 from drmas.learners.loss import policy_loss, token_logprobs_and_entropy
 
 torch.set_num_threads(1)

@@ -9,8 +9,8 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from drmas.actors.config import WorkflowConfig
 from drmas.actors.engines.base import Engine, GenerateRequest, GenerateResult
+from drmas.config.actor import WorkflowConfig
 from drmas.protocol.arrays import unpack_ids, unpack_logprobs
 from drmas.protocol.messages import Episode, SamplingParams, Task
 from drmas.protocol.validate import Limits, check_step

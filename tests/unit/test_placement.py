@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from drmas.launch.config import ConfigError, load_config
+from drmas.config import ConfigError, load_config
 from drmas.launch.placement import PlacementError, plan_placement
 
 SEARCH = ["experiment=search", "task.train_path=x.parquet"]  # 3 models, vLLM engines

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from drmas.launch.config import ConfigError, load_config
+from drmas.config import ConfigError, load_config
+from drmas.config.model import weights_dtype
 from drmas.learners.trainer import precision_plan
-from drmas.models.config import weights_dtype
 
 
 def test_default_is_fp32_and_search_recipe_trains_fp32_masters() -> None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from drmas.config.model import WarmStartConfig
 from drmas.models import builtin
-from drmas.models.config import WarmStartConfig
 from drmas.teams.search import kb
 from drmas.teams.search import prompts as sp
 from drmas.teams.search import transcripts as st

@@ -10,8 +10,8 @@ from typing import Any, cast
 
 import pytest
 
-from drmas.actors.config import WorkflowConfig
 from drmas.actors.engines.base import Engine, GenerateRequest, GenerateResult
+from drmas.config.actor import WorkflowConfig
 from drmas.protocol.messages import Episode, SamplingParams, Task
 from drmas.teams.search.prompts import TINY_INSTRUCTIONS
 from drmas.teams.search.workflow import RetrieverTool, SearchTeam

@@ -11,9 +11,9 @@ import pytest
 import zmq
 import zmq.auth
 
+from drmas.config.transport import SecurityConfig
 from drmas.launch.cli import main as cli
 from drmas.transports.channel import BrokerClient, bind_router
-from drmas.transports.config import SecurityConfig
 from drmas.transports.security import (
     SecurityError,
     check_bind,
@@ -193,7 +193,7 @@ def test_a_key_bound_to_a_role_cannot_take_another(tmp_path: Path) -> None:
     import time
 
     from drmas.broker.server import BrokerServer
-    from drmas.launch.config import load_config
+    from drmas.config import load_config
     from drmas.protocol.messages import StatusReply, StatusRequest, Welcome
     from drmas.transports.channel import BrokerRefused
 

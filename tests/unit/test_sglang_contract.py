@@ -43,9 +43,9 @@ from typing import Any
 
 import pytest
 
-from drmas.actors.config import EngineConfig
 from drmas.actors.engines import sglang as sg
 from drmas.actors.engines.base import GenerateRequest
+from drmas.config.actor import EngineConfig
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sglang"
 

@@ -205,11 +205,11 @@ if __name__ == "__main__":
 
 
 # ------------------------------------------------------------------ tests
-from drmas.actors.config import EngineConfig  # noqa: E402
 from drmas.actors.engines import sglang as sg  # noqa: E402
 from drmas.actors.engines.base import GenerateRequest  # noqa: E402
+from drmas.config.actor import EngineConfig  # noqa: E402
+from drmas.config.transport import WeightSyncConfig  # noqa: E402
 from drmas.protocol.messages import JoinWeightGroup  # noqa: E402
-from drmas.transports.config import WeightSyncConfig  # noqa: E402
 from drmas.transports.digest import digest_of  # noqa: E402
 from drmas.transports.weights import WeightReceiver, WeightSender  # noqa: E402
 from tests.unit import test_sglang_contract  # noqa: E402, F401  (parses SGLang's types here, in the main thread)

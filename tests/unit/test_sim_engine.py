@@ -13,13 +13,13 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from drmas.actors.config import EngineConfig
 from drmas.actors.engines import make_engine
 from drmas.actors.engines.base import GenerateRequest, GenerateResult
 from drmas.actors.engines.sim import SimEngine
+from drmas.config.actor import EngineConfig
+from drmas.config.transport import WeightSyncConfig
 from drmas.models.builtin import char_tokenizer
 from drmas.protocol.messages import JoinWeightGroup
-from drmas.transports.config import WeightSyncConfig
 from drmas.transports.digest import digest_of
 from drmas.transports.weights import WeightReceiver, WeightSender
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from drmas.config.task import TaskConfig
 from drmas.protocol.messages import Task
-from drmas.tasks.config import TaskConfig
 from drmas.tasks.source import TaskFileError, TaskSource, load_file, normalise_answer
 from drmas.teams.math import arithmetic
 

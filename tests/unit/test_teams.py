@@ -11,13 +11,14 @@ from typing import Any, ClassVar, cast
 
 import pytest
 
-from drmas.actors.config import WorkflowConfig
+from drmas import plugins as loader
 from drmas.actors.engines.base import Engine, GenerateRequest, GenerateResult
-from drmas.launch.config import ConfigError, load_config, team_class
+from drmas.config import ConfigError, load_config
+from drmas.config.actor import WorkflowConfig
+from drmas.config.task import TaskConfig
+from drmas.plugins import team_class
 from drmas.protocol.messages import Episode, SamplingParams, Task
-from drmas.tasks.config import TaskConfig
 from drmas.tasks.source import TaskFileError, TaskSource
-from drmas.teams import loader
 from drmas.teams.base import Team
 from drmas.teams.layout import TeamLayout
 from drmas.teams.math import MathTeam

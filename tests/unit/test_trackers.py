@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from drmas.broker.trackers import make_sink
-from drmas.launch.config import ConfigError, load_config
+from drmas.config import ConfigError, load_config
 
 LINES = [
     {"step": 1, "loss/solver": 0.5, "time_s": 1.0},

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from drmas.actors.config import EngineConfig
 from drmas.actors.engines import make_engine
 from drmas.actors.engines.vllm import WORKER_EXTENSION, check_fits, engine_args
-from drmas.launch.config import ConfigError, load_config
+from drmas.config import ConfigError, load_config
+from drmas.config.actor import EngineConfig
 
 
 def test_engine_arguments_pass_through(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from drmas.transports.config import WeightSyncConfig
+from drmas.config.transport import WeightSyncConfig
 from drmas.transports.weights import (
     MAX_BUCKET_BYTES,
     Header,

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from drmas.actors.config import EngineConfig
 from drmas.actors.engines.base import Engine
+from drmas.config.actor import EngineConfig
 
 if TYPE_CHECKING:
     from drmas.protocol.messages import JoinWeightGroup

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from drmas.actors.config import EngineConfig
 from drmas.actors.engines.base import GenerateRequest, GenerateResult, check_request
+from drmas.config.actor import EngineConfig
 from drmas.transports.digest import digest_of
 
 if TYPE_CHECKING:

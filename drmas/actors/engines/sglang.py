@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from drmas.actors.config import EngineConfig
 from drmas.actors.engines.base import GenerateRequest, GenerateResult
+from drmas.config.actor import EngineConfig
 
 if TYPE_CHECKING:
     import torch

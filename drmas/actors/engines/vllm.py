@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from drmas.actors.config import EngineConfig
 from drmas.actors.engines.base import GenerateRequest, GenerateResult, check_request
+from drmas.config.actor import EngineConfig
 from drmas.transports.weights import WeightSyncError
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from drmas.protocol.messages import Task
 
 if TYPE_CHECKING:
-    from drmas.tasks.config import TaskConfig
+    from drmas.config.task import TaskConfig
 
 
 @dataclass(frozen=True)

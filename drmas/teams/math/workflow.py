@@ -19,7 +19,7 @@ of `WorkflowConfig.instructions` override them per agent.
 
 from __future__ import annotations
 
-from drmas.actors.config import WorkflowConfig
+from drmas.config.actor import WorkflowConfig
 from drmas.protocol.messages import Episode, SamplingParams, Step, Task
 from drmas.teams.base import Team
 from drmas.teams.math import prompts as math_prompts

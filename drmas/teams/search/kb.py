@@ -34,7 +34,7 @@ from drmas.filelock import file_lock
 from drmas.protocol.messages import Task
 
 if TYPE_CHECKING:
-    from drmas.tasks.config import TaskConfig
+    from drmas.config.task import TaskConfig
 
 KB_VERSION = 2
 """Bump when the generator's output changes for the same spec (cached corpora are rebuilt)."""

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from drmas.actors.config import WorkflowConfig
+from drmas.config.actor import WorkflowConfig
 from drmas.protocol.messages import Episode, SamplingParams, Step, Task
 from drmas.teams.base import Team, Tool
 from drmas.teams.search import prompts as search_prompts
@@ -51,7 +51,7 @@ from drmas.teams.search.prompts import (
 from drmas.teams.search.qa import exact_match, f1_score
 
 if TYPE_CHECKING:
-    from drmas.launch.config import DrmasConfig
+    from drmas.config import DrmasConfig
 
 DEFAULT_INSTRUCTIONS = {"plain": TINY_INSTRUCTIONS, "chat": INSTRUCTIONS}
 
@@ -127,7 +127,7 @@ class SearchTeam(Team):
     @classmethod
     def check_config(cls, cfg: DrmasConfig) -> None:
         """Somewhere to search: a corpus (bm25/dense), a server (http) or a `search` tool."""
-        from drmas.launch.config import ConfigError
+        from drmas.config import ConfigError
 
         w = cfg.workflow
         if w.on_invalid not in ("continue", "end"):

@@ -22,7 +22,13 @@ import os
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from drmas.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from drmas.config.actor import WorkflowConfig
+    from drmas.teams.base import Team
 
 ENTRY_POINT_GROUP = "drmas.teams"
 BUILTIN_TEAMS = {
@@ -124,3 +130,30 @@ def _load_file(path: str, what: str) -> Any:
         del sys.modules[name]
         raise
     return module
+
+
+def team_class(cfg: WorkflowConfig) -> type[Team]:
+    """The team class of `workflow.target`, else of the registered `workflow.name`."""
+    from drmas.teams.base import Team
+
+    if cfg.target:
+        what, target = "workflow.target", cfg.target
+    else:
+        teams = registered_teams()
+        if cfg.name not in teams:
+            raise ConfigError(
+                f"workflow.name={cfg.name!r} is not a registered team {sorted(teams)}; for "
+                "your own team set workflow.target=package.module:Class or "
+                "path/to/file.py:Class"
+            )
+        what, target = "workflow.name", teams[cfg.name]
+    try:
+        cls = load_object(target, what)
+    except (TargetError, ImportError, SyntaxError) as exc:
+        raise ConfigError(str(exc)) from exc
+    if not (isinstance(cls, type) and issubclass(cls, Team)):
+        raise ConfigError(f"{what}={target!r} is not a subclass of drmas.teams.Team")
+    for attr in ("name", "agents", "default_instructions", "layout"):
+        if not hasattr(cls, attr):
+            raise ConfigError(f"team {target!r} does not declare {attr!r} (see docs/own-team.md)")
+    return cls

@@ -62,7 +62,7 @@ class EngineConfig:
 
     def problems(self, key: str) -> list[str]:
         """What is wrong with the engine-argument fields (config key `key`, e.g.
-        actor.engine); drmas.launch.config.check() raises them before anything starts."""
+        actor.engine); drmas.config.check() raises them before anything starts."""
         out = []
         if self.name not in get_args(EngineName):
             out.append(f"{key}.name={self.name!r} is not one of {list(get_args(EngineName))}")

@@ -11,25 +11,19 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import Any, get_args
 
-from drmas.actors.config import ActorConfig, EngineName, SamplingConfig, WorkflowConfig
-from drmas.broker.config import AdvantageConfig, AdvantageMode, BrokerConfig
-from drmas.checkpoints.config import CheckpointConfig
-from drmas.launch.placement import SHARE_MODES, PlacementConfig
-from drmas.learners.config import ISCorrection, LearnerConfig, LossAgg, LossConfig, ProbeConfig
-from drmas.models.config import PRECISIONS, ModelConfig
-from drmas.retrieval.config import RETRIEVERS, RetrieverConfig
-from drmas.tasks.config import TaskConfig
-from drmas.teams.loader import TargetError, absolute_target, load_object, registered_teams
-from drmas.transports.config import SecurityConfig, WeightSyncConfig
-
-if TYPE_CHECKING:
-    from drmas.teams.base import Team
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message says which field and what to do."""
+from drmas.config.actor import ActorConfig, EngineName, SamplingConfig, WorkflowConfig
+from drmas.config.broker import AdvantageConfig, AdvantageMode, BrokerConfig
+from drmas.config.checkpoint import CheckpointConfig
+from drmas.config.errors import ConfigError
+from drmas.config.learner import ISCorrection, LearnerConfig, LossAgg, LossConfig, ProbeConfig
+from drmas.config.model import PRECISIONS, ModelConfig
+from drmas.config.placement import SHARE_MODES, PlacementConfig
+from drmas.config.retrieval import RETRIEVERS, RetrieverConfig
+from drmas.config.task import TaskConfig
+from drmas.config.transport import SecurityConfig, WeightSyncConfig
+from drmas.plugins import TargetError, absolute_target, load_object
 
 
 @dataclass
@@ -155,37 +149,12 @@ class DrmasConfig:
         return lrs.pop() if lrs else self.models[model].lr
 
 
-def team_class(cfg: WorkflowConfig) -> type[Team]:
-    """The team class of `workflow.target`, else of the registered `workflow.name`."""
-    from drmas.teams.base import Team
-
-    if cfg.target:
-        what, target = "workflow.target", cfg.target
-    else:
-        teams = registered_teams()
-        if cfg.name not in teams:
-            raise ConfigError(
-                f"workflow.name={cfg.name!r} is not a registered team {sorted(teams)}; for "
-                "your own team set workflow.target=package.module:Class or "
-                "path/to/file.py:Class"
-            )
-        what, target = "workflow.name", teams[cfg.name]
-    try:
-        cls = load_object(target, what)
-    except (TargetError, ImportError, SyntaxError) as exc:
-        raise ConfigError(str(exc)) from exc
-    if not (isinstance(cls, type) and issubclass(cls, Team)):
-        raise ConfigError(f"{what}={target!r} is not a subclass of drmas.teams.Team")
-    for attr in ("name", "agents", "default_instructions", "layout"):
-        if not hasattr(cls, attr):
-            raise ConfigError(f"team {target!r} does not declare {attr!r} (see docs/own-team.md)")
-    return cls
-
-
 def check(cfg: DrmasConfig) -> None:
     """Cross-field rules; drops models no agent uses. Raises ConfigError saying what to fix."""
     if not cfg.agents:
         raise ConfigError("no agents configured: pick an experiment, e.g. experiment=tiny_math")
+    from drmas.plugins import team_class
+
     team = team_class(cfg.workflow)
     if cfg.workflow.target:
         cfg.workflow.name = team.name  # what logs and the run's config call it
@@ -241,7 +210,7 @@ def check(cfg: DrmasConfig) -> None:
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
     from drmas.broker.trackers import TRACKERS, missing_packages
-    from drmas.launch.schema import literal_problems
+    from drmas.config.schema import literal_problems
 
     unknown_trackers = sorted(set(cfg.logger) - set(TRACKERS))
     if unknown_trackers:
@@ -453,7 +422,7 @@ def load_config(overrides: list[str], config_file: str | None = None) -> DrmasCo
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from drmas.launch.schema import check_overrides
+    from drmas.config.schema import check_overrides
 
     problem = check_overrides(overrides, DrmasConfig, _FREE_MAPPINGS)
     if problem:  # before hydra: its own advice for a typo is to add it with `+`

@@ -1,6 +1,6 @@
 """The config schema as a user meets it: which override keys exist (with the nearest ones
 for a typo) and the one-line doc of each option, read from the field docstrings of the
-typed config dataclasses (drmas/launch/config.py and each component's config.py).
+typed config dataclasses (drmas/config/root.py and each component's config.py).
 
 Used by `load_config` (every key of every override is checked before hydra sees it, so a
 typo given with `+` is refused too instead of being dropped) and by `drmas train --help`
