@@ -154,7 +154,7 @@ def pull_main(address: str, count: int, done: mp.Queue) -> None:
 
 
 def run_raw(frames: list[bytes]) -> float:
-    from drmas.launch.ports import free_port
+    from drmas.transports.ports import free_port
 
     address = f"tcp://127.0.0.1:{free_port()}"
     done: mp.Queue = SPAWN.Queue()

@@ -392,7 +392,7 @@ def _run_role(args: argparse.Namespace, cfg: DrmasConfig) -> int:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            from drmas.launch.ports import free_port
+            from drmas.transports.ports import free_port
 
             os.environ["MASTER_PORT"] = str(cfg.learner.master_port or free_port())
         run_learner(cfg, args.model, rank, world)

@@ -29,10 +29,10 @@ import numpy as np
 
 from drmas.broker.advantages import compute_advantages
 from drmas.config import DrmasConfig
-from drmas.launch.ports import free_port
 from drmas.launch.train import prepare_run
 from drmas.protocol.messages import Episode, Sample, SamplingParams, Step, Task
 from drmas.threads import env_threads
+from drmas.transports.ports import free_port
 
 log = logging.getLogger("drmas.probe")
 

@@ -31,11 +31,11 @@ from pathlib import Path
 
 from drmas.config import ConfigError, DrmasConfig, to_yaml
 from drmas.launch.placement import Placement, plan_placement, visible_gpus
-from drmas.launch.ports import free_port
 from drmas.launch.progress import Progress
 from drmas.launch.supervisor import Supervisor
 from drmas.plugins import team_class
 from drmas.threads import env_threads
+from drmas.transports.ports import free_port
 
 
 def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path, Placement | None]:

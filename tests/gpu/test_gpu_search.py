@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drmas.launch.ports import free_port
+from drmas.transports.ports import free_port
 from tests.integration.conftest import (
     REPO,
     drmas,

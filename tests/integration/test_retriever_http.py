@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from drmas.launch.ports import free_port
 from drmas.retrieval.bm25 import BM25Retriever
 from drmas.retrieval.http import HttpRetriever
+from drmas.transports.ports import free_port
 from tests.integration.conftest import REPO, retriever_healthy, wait_for
 from tests.unit.test_retrieval import write_corpus
 

@@ -133,7 +133,7 @@ def test_a_chosen_port_is_bindable_and_outside_the_kernels_ephemeral_range() -> 
     (a CI run lost a learner to EADDRINUSE that way)."""
     import socket
 
-    from drmas.launch.ports import LOWEST, ephemeral_range, free_port
+    from drmas.transports.ports import LOWEST, ephemeral_range, free_port
 
     low, _ = ephemeral_range()
     ports = {free_port() for _ in range(20)}

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from drmas.config.task import TaskConfig
-from drmas.launch.ports import free_port
 from drmas.retrieval import (
     CorpusError,
     Passage,
@@ -31,6 +30,7 @@ from drmas.retrieval import (
 )
 from drmas.retrieval.batching import BatchingRetriever
 from drmas.retrieval.http import HttpRetriever, RetrieverError
+from drmas.transports.ports import free_port
 
 PLANTED = {"id": "planted", "title": "Zorvath Quell", "text": "Zorvath Quell was born in Miravel."}
 SYLLABLES = ["ka", "lo", "mi", "ra", "te", "vu", "son", "dar", "bel", "nor", "fen", "pim"]
