@@ -1,7 +1,9 @@
 """The embedded engine: in-process transformers + torch, CPU or one GPU.
 
 Scheduling is iteration-level (continuous batching, as in Orca/vLLM, over a plain
-transformers DynamicCache). One background task owns the model; each iteration it
+transformers DynamicCache). The queue, pause/resume and shutdown are the scheduler the
+sim engine shares (scheduler.py); its one background task owns the model and each
+iteration
 
 1. admits pending requests while the running batch has room: prefills them as their own
    left-padded batch, samples their first token, and merges their KV cache into the
@@ -21,19 +23,19 @@ milliseconds; larger models belong on vllm/sglang.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
-from drmas.actors.engines.base import GenerateRequest, GenerateResult, check_request
+from drmas.actors.engines.base import GenerateRequest, GenerateResult
+from drmas.actors.engines.scheduler import RequestScheduler, Row, hit_stop
 from drmas.config.actor import EngineConfig
+from drmas.config.types import Dtype
 from drmas.transports.digest import digest_of
 
 if TYPE_CHECKING:
@@ -41,25 +43,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("drmas.engine.hf")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(eq=False)
-class _Row:
-    """One request from admission to its result."""
-
-    request: GenerateRequest
-    future: asyncio.Future[GenerateResult]
-    version: int = 0
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in get_args(Dtype)}
+"""actor.engine.dtype's choices (declared once, in drmas.config) -> torch dtypes."""
 
 
 @dataclass(eq=False)
 class _Batch:
     """The running rows and their tensors, all aligned on the batch axis."""
 
-    rows: list[_Row]
+    rows: list[Row]
     cache: DynamicCache
     mask: torch.Tensor
     """[B, cache_len] long: 1 where the row attends (left padding is 0)."""
@@ -101,15 +93,9 @@ class HFEngine:
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         )
-        self._pending: deque[_Row] = deque()
         self._batch: _Batch | None = None
         self._merge_ok = True
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-        self._wake = asyncio.Event()
-        self._hold = False
-        self._held = asyncio.Event()
-        self._resumed = asyncio.Event()
+        self._scheduler = RequestScheduler("hf", model_name, self)
         self._generator: torch.Generator | None = None
         self._cache_kwarg = "cache"
         self._pad_id = 0
@@ -119,17 +105,7 @@ class HFEngine:
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
-        self._task = asyncio.create_task(self._loop(), name=f"hf-engine:{self.model_name}")
-        self._task.add_done_callback(self._on_loop_exit)
-
-    def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
-        """A scheduler that died of a bug must not leave callers waiting forever."""
-        if task.cancelled() or task.exception() is None:
-            return
-        error = RuntimeError(f"engine {self.model_name!r} scheduler stopped: {task.exception()!r}")
-        _fail(list(self._pending) + (self._batch.rows if self._batch else []), error)
-        self._pending.clear()
-        self._batch = None
+        self._scheduler.start()
 
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -163,17 +139,7 @@ class HFEngine:
         )
 
     async def close(self) -> None:
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        error = RuntimeError("engine closed")
-        rows = list(self._pending) + (self._batch.rows if self._batch else [])
-        self._pending.clear()
-        self._batch = None
-        _fail(rows, error)
+        await self._scheduler.close()
 
     @property
     def num_running(self) -> int:
@@ -183,36 +149,18 @@ class HFEngine:
     @property
     def num_pending(self) -> int:
         """Requests waiting for room in the running batch."""
-        return len(self._pending)
+        return self._scheduler.num_pending
 
     # ---------------------------------------------------------------- requests
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        if self._closed:
-            raise RuntimeError("engine closed")
-        if self._task is None:
-            raise RuntimeError(f"engine {self.model_name!r}: call start() before generate()")
-        if self._task.done():
-            raise RuntimeError(f"engine {self.model_name!r}: scheduler stopped")
-        check_request(request, self._vocab_size)
-        if request.max_new_tokens == 0:
-            return GenerateResult([], [], "length", self.version)
-        future: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Row(request, future))
-        self._wake.set()
-        return await future
+        return await self._scheduler.submit(request, self._vocab_size, self.version)
 
     async def pause(self) -> None:
-        self._hold = True
-        self._resumed.clear()
-        if self._task is None or self._task.done():
-            return
-        self._wake.set()
-        await self._held.wait()
+        await self._scheduler.pause()
 
     async def resume(self) -> None:
-        self._hold = False
-        self._resumed.set()
+        await self._scheduler.resume()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy by Hugging Face name (both names of tied weights are accepted). Stops at the
@@ -254,47 +202,30 @@ class HFEngine:
             return ""
         return digest_of(self.model.named_parameters())
 
-    # ---------------------------------------------------------------- scheduler
+    # ------------------------------------------------- one step (scheduler.Stepper)
 
-    async def _loop(self) -> None:
-        while True:
-            if self._hold:
-                self._held.set()
-                await self._resumed.wait()
-                continue
-            self._held.clear()
-            if not self._pending and self._batch is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            newcomers = self._take_pending()
-            try:
-                with torch.inference_mode():
-                    self._step(newcomers)
-            except Exception as exc:
-                log.exception("%s: generation step failed", self.model_name)
-                _fail(newcomers + (self._batch.rows if self._batch else []), exc)
-                self._batch = None
-            await asyncio.sleep(0)
+    def running(self) -> list[Row]:
+        return self._batch.rows if self._batch else []
 
-    def _take_pending(self) -> list[_Row]:
+    def room(self) -> int:
+        """Free batch slots; none while rows run whose cache cannot be merged into."""
         running = self.num_running
         if running and not self._merge_ok:
-            return []
-        taken: list[_Row] = []
-        while self._pending and running + len(taken) < self.cfg.max_batch:
-            row = self._pending.popleft()
-            if not row.future.done():  # the caller gave up waiting
-                taken.append(row)
-        return taken
+            return 0
+        return self.cfg.max_batch - running
 
-    def _step(self, newcomers: list[_Row]) -> None:
-        if newcomers:
-            fresh = self._prefill(newcomers)
-            if fresh is not None:
-                self._batch = fresh if self._batch is None else self._merge(self._batch, fresh)
-        if self._batch is not None:
-            self._decode(self._batch)
+    def clear_running(self) -> None:
+        self._batch = None
+
+    async def step(self, newcomers: list[Row]) -> None:
+        """Runs on the event-loop thread: the scheduler yields to the loop after it."""
+        with torch.inference_mode():
+            if newcomers:
+                fresh = self._prefill(newcomers)
+                if fresh is not None:
+                    self._batch = fresh if self._batch is None else self._merge(self._batch, fresh)
+            if self._batch is not None:
+                self._decode(self._batch)
 
     def _forward(
         self, ids: torch.Tensor, batch_mask: torch.Tensor, pos: torch.Tensor, cache: Any
@@ -310,7 +241,7 @@ class HFEngine:
         )
         return out.logits[:, -1].float()
 
-    def _prefill(self, rows: list[_Row]) -> _Batch | None:
+    def _prefill(self, rows: list[Row]) -> _Batch | None:
         from transformers import DynamicCache
 
         assert self.model is not None
@@ -381,7 +312,7 @@ class HFEngine:
             row.tokens.append(token)
             row.logprobs.append(logprob)
             request = row.request
-            if token in self.eos_token_ids or (request.stop and self._hit_stop(row)):
+            if token in self.eos_token_ids or (request.stop and hit_stop(self.tokenizer, row)):
                 reason = "stop"
             elif len(row.tokens) >= request.max_new_tokens:
                 reason = "length"
@@ -394,14 +325,6 @@ class HFEngine:
         if len(keep) < len(batch.rows):
             self._select(batch, keep)
         return batch
-
-    def _hit_stop(self, row: _Row) -> bool:
-        """Decode the tail that could hold a stop string: each token is at least one byte,
-        a character at most four."""
-        stops = row.request.stop
-        window = 4 * max(len(s) for s in stops) + 8
-        text = self.tokenizer.decode(row.tokens[-window:], skip_special_tokens=True)
-        return any(s in text for s in stops)
 
     def _select(self, batch: _Batch, keep: list[int]) -> None:
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -465,9 +388,3 @@ def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     limit = torch.where(top_p >= 1, torch.full_like(top_p, float("inf")), top_p)
     sorted_probs = sorted_probs.masked_fill(mass_before >= limit[:, None], 0.0)
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-
-
-def _fail(rows: Iterable[_Row], error: BaseException) -> None:
-    for row in rows:
-        if not row.future.done():
-            row.future.set_exception(error)

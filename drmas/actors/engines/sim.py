@@ -4,7 +4,9 @@ Who calls it: the same as every engine (base.py): workflow coroutines call `gene
 concurrently, the actor process pauses it, feeds it a weight broadcast through
 `load_weights` and reads `weights_digest`. It talks to nothing itself.
 
-Timing model (a GPU-like batched decoder, no compute on this machine):
+Timing model (a GPU-like batched decoder, no compute on this machine). Queueing,
+admission, pause/resume and shutdown are the hf engine's own (scheduler.py), so what the
+asynchrony benchmarks measure on sim is what the hf engine would do:
 
 * one background task owns the "device"; each iteration it admits pending requests while
   the running batch has room (`max_batch`) and sleeps `sim_prompt_latency_s_per_token` ×
@@ -29,19 +31,17 @@ arrived, so the broker's learner-vs-actor fingerprint check passes, and `version
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
 import random
 import zlib
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from drmas.actors.engines.base import GenerateRequest, GenerateResult, check_request
+from drmas.actors.engines.base import GenerateRequest, GenerateResult
+from drmas.actors.engines.scheduler import RequestScheduler, Row, hit_stop
 from drmas.config.actor import EngineConfig
 
 if TYPE_CHECKING:
@@ -50,16 +50,6 @@ if TYPE_CHECKING:
     from drmas.transports.digest import Digest
 
 log = logging.getLogger("drmas.engine.sim")
-
-
-@dataclass(eq=False)
-class _Row:
-    """One request from admission to its result."""
-
-    request: GenerateRequest
-    future: asyncio.Future[GenerateResult]
-    version: int = 0
-    tokens: list[int] = field(default_factory=list)
 
 
 class SimEngine:
@@ -100,21 +90,14 @@ class SimEngine:
         self._logprob = 0.0
         self._digest: Digest | None = None
         self._digest_version = -1
-        self._pending: deque[_Row] = deque()
-        self._running: list[_Row] = []
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-        self._wake = asyncio.Event()
-        self._hold = False
-        self._held = asyncio.Event()
-        self._resumed = asyncio.Event()
+        self._running: list[Row] = []
+        self._scheduler = RequestScheduler("sim", model_name, self)
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load_tokenizer)
-        self._task = asyncio.create_task(self._loop(), name=f"sim-engine:{self.model_name}")
-        self._task.add_done_callback(self._on_loop_exit)
+        self._scheduler.start()
 
     def _load_tokenizer(self) -> None:
         """The model folder's tokenizer (never its weights), or the builtin character
@@ -150,26 +133,8 @@ class SimEngine:
             self.cfg.sim_token_latency_s,
         )
 
-    def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
-        """A scheduler that died of a bug must not leave callers waiting forever."""
-        if task.cancelled() or task.exception() is None:
-            return
-        error = RuntimeError(f"engine {self.model_name!r} scheduler stopped: {task.exception()!r}")
-        _fail([*self._pending, *self._running], error)
-        self._pending.clear()
-        self._running = []
-
     async def close(self) -> None:
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        rows = [*self._pending, *self._running]
-        self._pending.clear()
-        self._running = []
-        _fail(rows, RuntimeError("engine closed"))
+        await self._scheduler.close()
 
     @property
     def num_running(self) -> int:
@@ -177,36 +142,18 @@ class SimEngine:
 
     @property
     def num_pending(self) -> int:
-        return len(self._pending)
+        return self._scheduler.num_pending
 
     # ---------------------------------------------------------------- requests
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        if self._closed:
-            raise RuntimeError("engine closed")
-        if self._task is None:
-            raise RuntimeError(f"engine {self.model_name!r}: call start() before generate()")
-        if self._task.done():
-            raise RuntimeError(f"engine {self.model_name!r}: scheduler stopped")
-        check_request(request, self.vocab_size)
-        if request.max_new_tokens == 0:
-            return GenerateResult([], [], "length", self.version)
-        future: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Row(request, future))
-        self._wake.set()
-        return await future
+        return await self._scheduler.submit(request, self.vocab_size, self.version)
 
     async def pause(self) -> None:
-        self._hold = True
-        self._resumed.clear()
-        if self._task is None or self._task.done():
-            return
-        self._wake.set()
-        await self._held.wait()
+        await self._scheduler.pause()
 
     async def resume(self) -> None:
-        self._hold = False
-        self._resumed.set()
+        await self._scheduler.resume()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Consume the tensors into a digest of what arrived. The actor calls this once per
@@ -234,40 +181,31 @@ class SimEngine:
         """Fingerprint of every tensor received for the current version ("" before any)."""
         return self._digest.hexdigest() if self._digest is not None else ""
 
-    # ---------------------------------------------------------------- scheduler
+    # ------------------------------------------------- one step (scheduler.Stepper)
 
-    async def _loop(self) -> None:
-        while True:
-            if self._hold:
-                self._held.set()
-                await self._resumed.wait()
-                continue
-            self._held.clear()
-            if not self._pending and not self._running:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            newcomers = self._take_pending()
-            if newcomers:
-                prompt_tokens = sum(len(row.request.prompt_ids) for row in newcomers)
-                self.prefill_steps += 1
-                await asyncio.sleep(prompt_tokens * self.cfg.sim_prompt_latency_s_per_token)
-                for row in newcomers:
-                    row.version = self.version
-                self._running.extend(newcomers)
-            await asyncio.sleep(self.cfg.sim_token_latency_s)
-            self.decode_steps += 1
-            self._running = [row for row in self._running if not self._advance(row)]
+    def running(self) -> list[Row]:
+        return self._running
 
-    def _take_pending(self) -> list[_Row]:
-        taken: list[_Row] = []
-        while self._pending and len(self._running) + len(taken) < self.cfg.max_batch:
-            row = self._pending.popleft()
-            if not row.future.done():  # the caller gave up waiting
-                taken.append(row)
-        return taken
+    def room(self) -> int:
+        return self.cfg.max_batch - len(self._running)
 
-    def _advance(self, row: _Row) -> bool:
+    def clear_running(self) -> None:
+        self._running = []
+
+    async def step(self, newcomers: list[Row]) -> None:
+        """One prefill sleep for the newcomers together, one decode sleep for the batch."""
+        if newcomers:
+            prompt_tokens = sum(len(row.request.prompt_ids) for row in newcomers)
+            self.prefill_steps += 1
+            await asyncio.sleep(prompt_tokens * self.cfg.sim_prompt_latency_s_per_token)
+            for row in newcomers:
+                row.version = self.version
+            self._running.extend(newcomers)
+        await asyncio.sleep(self.cfg.sim_token_latency_s)
+        self.decode_steps += 1
+        self._running = [row for row in self._running if not self._advance(row)]
+
+    def _advance(self, row: Row) -> bool:
         """Sample one token for `row`; True when the row is finished (resolved or dropped)."""
         if row.future.done():  # cancelled by its caller
             return True
@@ -276,24 +214,17 @@ class SimEngine:
         else:
             token = self._sample_ids[self._rng.randrange(len(self._sample_ids))]
         row.tokens.append(token)
+        row.logprobs.append(self._logprob)
         self.tokens_generated += 1
         request = row.request
-        if token == self.eos_token_id or (request.stop and self._hit_stop(row)):
+        if token == self.eos_token_id or (request.stop and hit_stop(self.tokenizer, row)):
             reason = "stop"
         elif len(row.tokens) >= request.max_new_tokens:
             reason = "length"
         else:
             return False
-        logprobs = [self._logprob] * len(row.tokens)
-        row.future.set_result(GenerateResult(row.tokens, logprobs, reason, row.version))
+        row.future.set_result(GenerateResult(row.tokens, row.logprobs, reason, row.version))
         return True
-
-    def _hit_stop(self, row: _Row) -> bool:
-        """As the hf engine: decode only the tail that could hold a stop string."""
-        stops = row.request.stop
-        window = 4 * max(len(s) for s in stops) + 8
-        text = self.tokenizer.decode(row.tokens[-window:], skip_special_tokens=True)
-        return any(s in text for s in stops)
 
 
 def _config_vocab_size(folder: Path) -> int:
@@ -303,9 +234,3 @@ def _config_vocab_size(folder: Path) -> int:
         return 0
     data = json.loads(path.read_text())
     return int(data.get("vocab_size") or data.get("text_config", {}).get("vocab_size") or 0)
-
-
-def _fail(rows: Iterable[_Row], error: BaseException) -> None:
-    for row in rows:
-        if not row.future.done():
-            row.future.set_exception(error)
