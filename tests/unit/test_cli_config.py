@@ -74,3 +74,49 @@ def test_a_role_without_config_says_which_flag_it_needs(capsys: pytest.CaptureFi
     assert cli(["actor", "broker.address=tcp://127.0.0.1:5555"]) == 2
     err = capsys.readouterr().err
     assert "--config RUN_DIR/config.yaml" in err and "Repo id" not in err
+
+
+def test_the_command_table_matches_the_documented_commands() -> None:
+    import drmas.launch.cli as cli_module
+
+    names = [c.name for c in cli_module.COMMANDS]
+    assert names == ["train", "prepare", "broker", "actor", "learner", "retriever", "probe",
+                     "eval", "show", "config", "status", "keys", "data", "report"]  # fmt: skip
+    documented = {line.split()[1] for line in (cli_module.__doc__ or "").splitlines()
+                  if line.startswith("    drmas ")}  # fmt: skip
+    assert documented == set(names)
+
+
+def test_parsing_any_command_imports_no_torch() -> None:
+    """`drmas --help` and the cheap commands stay instant: torch loads only once a
+    command that needs it runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from drmas.launch.cli import _parser\n"
+        "for argv in (['train', 'train.steps=1'], ['learner', '--model', 'm'], ['status', 'x'],"
+        " ['eval', 'run'], ['report', 'r', '--out', 'o']):\n"
+        "    _parser().parse_args(argv)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_learner_without_config_says_which_flag_it_needs(capsys: pytest.CaptureFixture) -> None:
+    assert cli(["learner", "--model", "solver"]) == 2
+    assert "drmas learner: models ['solver', 'verifier'] are builtin" in capsys.readouterr().err
+
+
+def test_a_learner_for_a_model_the_run_lacks_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(to_yaml(load_config([])))
+    assert cli(["learner", "--config", str(config), "--model", "critic"]) == 2
+    assert (
+        "drmas learner: --model 'critic' is not one of the run's models" in capsys.readouterr().err
+    )
