@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,26 +34,71 @@ from drmas.protocol.messages import Episode, Sample, SamplingParams, Step, Task
 from drmas.threads import env_threads
 from drmas.transports.ports import free_port
 
+if TYPE_CHECKING:
+    from drmas.config.types import AdvantageMode
+    from drmas.learners.probe import AgentRows
+    from drmas.learners.trainer import Trainer
+
 log = logging.getLogger("drmas.probe")
 
 
 def run_probe(cfg: DrmasConfig) -> int:
+    """The command: resolve the run (models built, config.yaml written), measure, then
+    write RUN_DIR/probe.json and probe.png and print the table."""
     import torch
-    import torch.distributed as dist
-
-    from drmas.learners.main import learner_device
-    from drmas.learners.probe import AgentRows, grad_sq_norms, summarise
-    from drmas.learners.trainer import Trainer
 
     torch.set_num_threads(env_threads() or 1)
     cfg, run_dir, _ = prepare_run(cfg)
+    result = measure(cfg)
+    (run_dir / "probe.json").write_text(json.dumps(result, indent=2))
+    plot(result, run_dir / "probe.png")
+    print(format_table(result))
+    print(f"drmas probe: wrote {run_dir / 'probe.json'} and {run_dir / 'probe.png'}")
+    return 0
+
+
+def measure(cfg: DrmasConfig) -> dict[str, Any]:
+    """Sample `probe.groups` groups with the actor's workflow, score them and measure each
+    agent's gradient second moment under `agent` and each baseline: probe.json's content."""
+    from drmas.learners.probe import summarise
+
     p = cfg.probe
     size = p.group_size or cfg.group_size
-    mode = "synthetic" if p.rewards else "sampled"
     start = time.monotonic()
     groups = asyncio.run(sample_groups(cfg, p.groups, size, p.seed))
     sampled_s = time.monotonic() - start
     log.info("sampled %d groups of %d episodes in %.1fs", len(groups), size, sampled_s)
+    rows, scores_by_agent = measure_gradients(cfg, groups)
+    return {
+        "mode": "synthetic" if p.rewards else "sampled",
+        "agents": summarise(rows, p.baselines, p.bootstrap, p.seed),
+        "scores": {
+            a: {"mean": float(np.mean(v)), "std": float(np.std(v)), "steps": len(v)}
+            for a, v in scores_by_agent.items()
+            if v
+        },
+        "rewards": {a: list(v) for a, v in p.rewards.items()},
+        "groups": len(groups),
+        "group_size": size,
+        "seed": p.seed,
+        "advantage": dataclasses.asdict(cfg.algorithm.advantage),
+        "models": {a: cfg.model_of(a) for a in cfg.agents},
+        "sampled_s": sampled_s,
+        "wall_s": time.monotonic() - start,
+    }
+
+
+def measure_gradients(
+    cfg: DrmasConfig, groups: list[list[Episode]]
+) -> tuple[dict[str, AgentRows], dict[str, list[float]]]:
+    """A world-1 learner (one Trainer per model) measures ‖g_k‖² for every agent of every
+    group under each advantage mode. Returns the rows of the agents that acted, and every
+    agent's step scores."""
+    import torch.distributed as dist
+
+    from drmas.learners.main import learner_device
+    from drmas.learners.probe import AgentRows
+    from drmas.learners.trainer import Trainer
 
     device = learner_device(cfg.learner.device)
     dist.init_process_group(
@@ -64,61 +109,54 @@ def run_probe(cfg: DrmasConfig) -> int:
     )
     try:
         trainers = {m: Trainer(cfg, m, 0, 1, device) for m in sorted(cfg.models)}
-        rng = np.random.default_rng(p.seed)
-        modes = ["agent", *p.baselines]
+        rng = np.random.default_rng(cfg.probe.seed)
         rows: dict[str, AgentRows] = {a: AgentRows() for a in cfg.agents}
         scores_by_agent: dict[str, list[float]] = {a: [] for a in cfg.agents}
         for episodes in groups:
-            steps = [(e, s) for e, ep in enumerate(episodes) for s in ep.steps]
-            agents = [s.agent for _, s in steps]
-            scores = step_scores(cfg, episodes, rng)
-            adv = {
-                m: compute_advantages(
-                    scores,
-                    np.zeros(len(steps), dtype=np.int64),
-                    [e for e, _ in steps],
-                    agents,
-                    mode=m,
-                    norm_by_std=cfg.algorithm.advantage.norm_by_std,
-                    eps=cfg.algorithm.advantage.eps,
-                    std=cfg.algorithm.advantage.std,
-                )
-                for m in modes
-            }
-            for agent in cfg.agents:
-                idx = [i for i, a in enumerate(agents) if a == agent]
-                if not idx:
-                    continue  # an agent this group never called (the Search Agent)
-                samples = [_sample(steps[i][1]) for i in idx]
-                mine = {m: adv[m][idx] for m in modes}
-                trainer = trainers[cfg.model_of(agent)]
-                rows[agent].add(grad_sq_norms(trainer, samples, mine), mine)
-                scores_by_agent[agent] += [float(scores[i]) for i in idx]
-        rows = {a: r for a, r in rows.items() if r.grad_sq}
-        result: dict[str, Any] = {
-            "mode": mode,
-            "agents": summarise(rows, p.baselines, p.bootstrap, p.seed),
-            "scores": {
-                a: {"mean": float(np.mean(v)), "std": float(np.std(v)), "steps": len(v)}
-                for a, v in scores_by_agent.items()
-                if v
-            },
-            "rewards": {a: list(v) for a, v in p.rewards.items()},
-            "groups": len(groups),
-            "group_size": size,
-            "seed": p.seed,
-            "advantage": dataclasses.asdict(cfg.algorithm.advantage),
-            "models": {a: cfg.model_of(a) for a in cfg.agents},
-            "sampled_s": sampled_s,
-            "wall_s": time.monotonic() - start,
-        }
+            _measure_group(cfg, trainers, episodes, rng, rows, scores_by_agent)
     finally:
         dist.destroy_process_group()
-    (run_dir / "probe.json").write_text(json.dumps(result, indent=2))
-    plot(result, run_dir / "probe.png")
-    print(format_table(result))
-    print(f"drmas probe: wrote {run_dir / 'probe.json'} and {run_dir / 'probe.png'}")
-    return 0
+    return {a: r for a, r in rows.items() if r.grad_sq}, scores_by_agent
+
+
+def _measure_group(
+    cfg: DrmasConfig,
+    trainers: dict[str, Trainer],
+    episodes: list[Episode],
+    rng: np.random.Generator,
+    rows: dict[str, AgentRows],
+    scores_by_agent: dict[str, list[float]],
+) -> None:
+    """One group: its step scores, advantages over the whole group under each mode, and
+    each agent's gradient norms on its own steps (added to `rows`)."""
+    from drmas.learners.probe import grad_sq_norms
+
+    modes: list[AdvantageMode] = ["agent", *cfg.probe.baselines]
+    steps = [(e, s) for e, ep in enumerate(episodes) for s in ep.steps]
+    agents = [s.agent for _, s in steps]
+    scores = step_scores(cfg, episodes, rng)
+    adv = {
+        m: compute_advantages(
+            scores,
+            np.zeros(len(steps), dtype=np.int64),
+            [e for e, _ in steps],
+            agents,
+            mode=m,
+            norm_by_std=cfg.algorithm.advantage.norm_by_std,
+            eps=cfg.algorithm.advantage.eps,
+            std=cfg.algorithm.advantage.std,
+        )
+        for m in modes
+    }
+    for agent in cfg.agents:
+        idx = [i for i, a in enumerate(agents) if a == agent]
+        if not idx:
+            continue  # an agent this group never called (the Search Agent)
+        samples = [_sample(steps[i][1]) for i in idx]
+        mine: dict[str, np.ndarray] = {m: adv[m][idx] for m in modes}
+        trainer = trainers[cfg.model_of(agent)]
+        rows[agent].add(grad_sq_norms(trainer, samples, mine), mine)
+        scores_by_agent[agent] += [float(scores[i]) for i in idx]
 
 
 async def sample_groups(cfg: DrmasConfig, count: int, size: int, seed: int) -> list[list[Episode]]:
