@@ -1,4 +1,8 @@
-"""`drmas status ADDRESS [--keys DIR]`: ask a running broker what is attached."""
+"""`drmas status ADDRESS [--keys DIR]`: ask a running broker what is attached.
+
+    drmas status ── StatusRequest ──> broker ── StatusReply ──> tables (or --json) on stdout
+
+One request, answered from the broker's state; it changes nothing there."""
 
 from __future__ import annotations
 
@@ -6,14 +10,33 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    from drmas.protocol.messages import StatusReply
 
 
 def print_status(
     address: str, *, as_json: bool, timeout_s: float, keys_dir: str = "", client_name: str = ""
 ) -> int:
-    """Ask once; a CURVE broker needs keys_dir and one of its client key pairs."""
+    """Ask once; a CURVE broker needs keys_dir and one of its client key pairs. Exit code 0
+    printed, 1 the broker did not answer in `timeout_s`, 2 the keys are unusable."""
+    reply = ask_status(address, timeout_s, keys_dir, client_name)
+    if isinstance(reply, int):
+        return reply
+    if as_json:
+        print(json.dumps(msgspec.to_builtins(reply), indent=2, sort_keys=True))
+    else:
+        print_tables(reply)
+    return 0
+
+
+def ask_status(
+    address: str, timeout_s: float, keys_dir: str, client_name: str
+) -> StatusReply | int:
+    """The broker's StatusReply, or the exit code after printing why there is none."""
     from drmas.config.transport import SecurityConfig
     from drmas.protocol.messages import StatusReply, StatusRequest
     from drmas.transports.channel import BrokerClient, BrokerUnavailable
@@ -28,7 +51,7 @@ def print_status(
         print(f"drmas status: {exc}", file=sys.stderr)
         return 2
     try:
-        reply = client.request(StatusRequest(), StatusReply, timeout_s)
+        return client.request(StatusRequest(), StatusReply, timeout_s)
     except BrokerUnavailable as exc:
         hint = (
             "" if keys_dir else " (a broker with security.curve=true answers only with --keys DIR)"
@@ -37,9 +60,10 @@ def print_status(
         return 1
     finally:
         client.close()
-    if as_json:
-        print(json.dumps(msgspec.to_builtins(reply), indent=2, sort_keys=True))
-        return 0
+
+
+def print_tables(reply: StatusReply) -> None:
+    """The run's line, then tables of models, actors and counters."""
     from rich.console import Console
     from rich.table import Table
 
@@ -72,4 +96,3 @@ def print_status(
     for k, v in sorted(reply.counters.items()):
         counters.add_row(k, str(v))
     console.print(counters)
-    return 0
