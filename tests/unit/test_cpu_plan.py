@@ -10,7 +10,7 @@ import pytest
 from drmas.broker.cpu import CpuBook
 from drmas.config import load_config
 from drmas.launch.train import thread_plan
-from drmas.learners.main import cpu_threads
+from drmas.learners.entry import cpu_threads
 
 
 @pytest.mark.parametrize(
