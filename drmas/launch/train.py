@@ -226,47 +226,7 @@ def train(cfg: DrmasConfig, overrides: list[str] | None = None) -> int:
     print(f"drmas train: run folder {run_dir}", flush=True)
     if placement is not None:
         print(placement.describe(), flush=True)
-    sup = Supervisor(run_dir / "logs")
-    interrupted = False
-
-    def on_signal(signum: int, _frame: object) -> None:
-        nonlocal interrupted
-        interrupted = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    progress = Progress(run_dir, list(cfg.agents), cfg.train.steps, enabled=cfg.train.progress)
-    code = 0
-    try:
-        start_children(cfg, run_dir, sup, placement)
-        while True:
-            progress.update()
-            failed = sup.failed()
-            if failed is not None:
-                print(
-                    f"drmas train: {failed.name} exited with code {failed.proc.returncode}; stopping "
-                    f"the run. Last lines of {failed.log_path}:\n{failed.tail()}",
-                    file=sys.stderr,
-                )
-                code = 1
-                break
-            if interrupted:
-                print("drmas train: interrupted; stopping all processes", file=sys.stderr)
-                code = 130
-                break
-            if not sup.alive("learner"):
-                break  # every learner finished its steps and saved its weights
-            time.sleep(0.2)
-        # let the broker finish the final validation round before it is stopped
-        deadline = time.monotonic() + 120
-        while code == 0 and sup.alive("broker") and time.monotonic() < deadline:
-            progress.update()
-            if sup.failed() is not None:
-                break
-            time.sleep(0.2)
-    finally:
-        sup.stop()
-        progress.close()
+    code = run_children(cfg, run_dir, placement)
     if code != 0:  # every child is down: the broker has written its state
         print(resume_hint(cfg, run_dir), file=sys.stderr, flush=True)
     wall = time.monotonic() - started
@@ -275,3 +235,57 @@ def train(cfg: DrmasConfig, overrides: list[str] | None = None) -> int:
     if code == 0:
         print(f"drmas train: done in {wall:.0f}s; weights in {run_dir / 'models'}", flush=True)
     return code
+
+
+def run_children(cfg: DrmasConfig, run_dir: Path, placement: Placement | None) -> int:
+    """Start every child and watch them: 0 when every learner has finished, 1 when a child
+    failed, 130 on SIGINT/SIGTERM. Every child is stopped before this returns."""
+    sup = Supervisor(run_dir / "logs")
+    signals: list[int] = []  # appended to by the handler; the watch loop stops on any
+
+    def on_signal(signum: int, _frame: object) -> None:
+        signals.append(signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    progress = Progress(run_dir, list(cfg.agents), cfg.train.steps, enabled=cfg.train.progress)
+    try:
+        start_children(cfg, run_dir, sup, placement)
+        code = _watch(sup, progress, signals)
+        if code == 0:
+            _await_broker(sup, progress, timeout_s=120.0)
+    finally:
+        sup.stop()
+        progress.close()
+    return code
+
+
+def _watch(sup: Supervisor, progress: Progress, signals: list[int]) -> int:
+    """Until the learners are done (0), a child fails (1) or a signal arrives (130)."""
+    while True:
+        progress.update()
+        failed = sup.failed()
+        if failed is not None:
+            print(
+                f"drmas train: {failed.name} exited with code {failed.proc.returncode}; stopping "
+                f"the run. Last lines of {failed.log_path}:\n{failed.tail()}",
+                file=sys.stderr,
+            )
+            return 1
+        if signals:
+            print("drmas train: interrupted; stopping all processes", file=sys.stderr)
+            return 130
+        if not sup.alive("learner"):
+            return 0  # every learner finished its steps and saved its weights
+        time.sleep(0.2)
+
+
+def _await_broker(sup: Supervisor, progress: Progress, timeout_s: float) -> None:
+    """Let the broker finish the final validation round before it is stopped (at most
+    `timeout_s`; a failing child ends the wait, the caller stops everything)."""
+    deadline = time.monotonic() + timeout_s
+    while sup.alive("broker") and time.monotonic() < deadline:
+        progress.update()
+        if sup.failed() is not None:
+            break
+        time.sleep(0.2)
