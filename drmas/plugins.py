@@ -11,6 +11,9 @@ Every plug-in point of a run is a *target* string in the config:
 
 The built-in math and search teams are registered the same way (pyproject.toml), so
 `workflow.name=math` and `workflow.target=drmas.teams.math:MathTeam` load the same class.
+
+This module only finds and imports; checking what it loads against a run's config is
+drmas/teams/resolve.py, a step each role takes for the plug-ins it uses.
 """
 
 from __future__ import annotations
@@ -22,13 +25,17 @@ import os
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from drmas.config.errors import ConfigError
+from drmas.config.targets import absolute_target, is_file_target
 
-if TYPE_CHECKING:
-    from drmas.config.actor import WorkflowConfig
-    from drmas.teams.base import Team
+__all__ = [
+    "TargetError",
+    "absolute_target",
+    "is_file_target",
+    "load_object",
+    "registered_teams",
+]
 
 ENTRY_POINT_GROUP = "drmas.teams"
 BUILTIN_TEAMS = {
@@ -49,20 +56,6 @@ def registered_teams() -> dict[str, str]:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         teams.setdefault(ep.name, ep.value)
     return teams
-
-
-def is_file_target(target: str) -> bool:
-    path, _, _ = target.rpartition(":")
-    return path.endswith(".py")
-
-
-def absolute_target(target: str, base: str | Path) -> str:
-    """`file.py:Name` with the file made absolute against `base`; other targets as given."""
-    if not target or not is_file_target(target):
-        return target
-    path, _, name = target.rpartition(":")
-    resolved = (Path(base) / os.path.expanduser(path)).resolve()
-    return f"{resolved}:{name}"
 
 
 def load_object(target: str, what: str) -> Any:
@@ -130,30 +123,3 @@ def _load_file(path: str, what: str) -> Any:
         del sys.modules[name]
         raise
     return module
-
-
-def team_class(cfg: WorkflowConfig) -> type[Team]:
-    """The team class of `workflow.target`, else of the registered `workflow.name`."""
-    from drmas.teams.base import Team
-
-    if cfg.target:
-        what, target = "workflow.target", cfg.target
-    else:
-        teams = registered_teams()
-        if cfg.name not in teams:
-            raise ConfigError(
-                f"workflow.name={cfg.name!r} is not a registered team {sorted(teams)}; for "
-                "your own team set workflow.target=package.module:Class or "
-                "path/to/file.py:Class"
-            )
-        what, target = "workflow.name", teams[cfg.name]
-    try:
-        cls = load_object(target, what)
-    except (TargetError, ImportError, SyntaxError) as exc:
-        raise ConfigError(str(exc)) from exc
-    if not (isinstance(cls, type) and issubclass(cls, Team)):
-        raise ConfigError(f"{what}={target!r} is not a subclass of drmas.teams.Team")
-    for attr in ("name", "agents", "default_instructions", "layout"):
-        if not hasattr(cls, attr):
-            raise ConfigError(f"team {target!r} does not declare {attr!r} (see docs/own-team.md)")
-    return cls

@@ -13,14 +13,8 @@ step (drmas/plugins.py) that only the roles needing them take. No torch import h
 """
 
 from drmas.config.errors import ConfigError
-from drmas.config.root import (
-    AgentConfig,
-    DrmasConfig,
-    config_dict,
-    config_dir,
-    load_config,
-    to_yaml,
-)
+from drmas.config.load import config_dict, config_dir, load_config, to_yaml
+from drmas.config.root import AgentConfig, DrmasConfig
 
 __all__ = [
     "AgentConfig",

@@ -3,44 +3,56 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
-EngineName = Literal["hf", "vllm", "sglang", "sim"]
-PauseMode = Literal["keep", "abort"]
+from drmas.config.types import (
+    Device,
+    Dtype,
+    EngineName,
+    Fraction,
+    NonNegative,
+    NonNegativeFloat,
+    OnInvalid,
+    OpenFraction,
+    PauseMode,
+    Port,
+    Positive,
+    Seconds,
+)
 
 
 @dataclass
 class EngineConfig:
     """One inference engine per model pool on the actor."""
 
-    name: str = "hf"
+    name: EngineName = "hf"
     """Which engine serves the pool."""
-    max_batch: int = 64
+    max_batch: Positive = 64
     """Sequences decoded together."""
-    device: str = "auto"
+    device: Device = "auto"
     """auto: CUDA when available."""
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     """Inference dtype."""
     seed: int = 0
     """Sampling seed; each actor adds a hash of its id, so actors sample independently."""
-    sim_token_latency_s: float = 0.005
+    sim_token_latency_s: NonNegativeFloat = 0.005
     """sim engine: seconds one decode step takes, for the whole running batch at once."""
-    sim_prompt_latency_s_per_token: float = 0.00002
+    sim_prompt_latency_s_per_token: NonNegativeFloat = 0.00002
     """sim engine: prefill seconds per prompt token admitted (summed over the admitted batch)."""
-    sim_stop_prob: float = 0.02
+    sim_stop_prob: Fraction = 0.02
     """sim engine: chance that a sampled token is EOS (finish_reason "stop")."""
-    sim_vocab_size: int = 0
+    sim_vocab_size: NonNegative = 0
     """sim engine: sample token ids below this; 0 (or more than the model has) = the model's
     whole vocabulary."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: Positive = 1
     """vllm/sglang: GPUs one engine shards the model over."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: OpenFraction = 0.9
     """vllm/sglang: fraction of GPU memory the engine may take (weights + KV cache)."""
-    max_model_len: int = 0
+    max_model_len: NonNegative = 0
     """vllm/sglang: longest prompt + response in tokens; 0 = the model's own limit."""
     enable_prefix_caching: bool = True
     """vllm/sglang: reuse the KV cache of shared prefixes (group samples, multi-turn)."""
-    pause_mode: str = "keep"
+    pause_mode: PauseMode = "keep"
     """Around a weight update: keep (in-flight requests wait and continue with the new
     weights) or abort (they are dropped and restarted from their prompt after the update)."""
     extra_args: dict[str, Any] = field(default_factory=dict)
@@ -49,47 +61,27 @@ class EngineConfig:
     """sglang: URL of a running server; "" = start and stop one (python -m sglang.launch_server)."""
     sglang_host: str = "127.0.0.1"
     """sglang: address a managed server binds."""
-    sglang_port: int = 0
+    sglang_port: Port = 0
     """sglang: port of a managed server; 0 = a free one."""
     sglang_bridge_host: str = "127.0.0.1"
     """sglang: address the server reaches this actor's weight bridge at."""
-    sglang_start_timeout_s: float = 600.0
+    sglang_start_timeout_s: Seconds = 600.0
     """sglang: seconds a managed server has to answer /health."""
-    sglang_request_timeout_s: float = 600.0
+    sglang_request_timeout_s: Seconds = 600.0
     """sglang: seconds one /generate may take."""
-    sglang_weight_timeout_s: float = 300.0
+    sglang_weight_timeout_s: Seconds = 300.0
     """sglang: seconds for the bridge rendezvous and each bucket."""
-
-    def problems(self, key: str) -> list[str]:
-        """What is wrong with the engine-argument fields (config key `key`, e.g.
-        actor.engine); drmas.config.check() raises them before anything starts."""
-        out = []
-        if self.name not in get_args(EngineName):
-            out.append(f"{key}.name={self.name!r} is not one of {list(get_args(EngineName))}")
-        if self.pause_mode not in get_args(PauseMode):
-            out.append(
-                f"{key}.pause_mode={self.pause_mode!r} is not one of {list(get_args(PauseMode))}"
-            )
-        if self.tensor_parallel_size < 1:
-            out.append(f"{key}.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            out.append(
-                f"{key}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.max_model_len < 0:
-            out.append(f"{key}.max_model_len must be >= 0, got {self.max_model_len}")
-        return out
 
 
 @dataclass
 class SamplingConfig:
     """Training-time sampling (validation has its own in ValConfig)."""
 
-    temperature: float = 1.0
+    temperature: NonNegativeFloat = 1.0
     """Softmax temperature."""
-    top_p: float = 1.0
+    top_p: OpenFraction = 1.0
     """Nucleus sampling mass."""
-    max_new_tokens: int = 256
+    max_new_tokens: Positive = 256
     """Response length cap per agent call."""
 
 
@@ -112,12 +104,12 @@ class WorkflowConfig:
     The search team's `search` tool (the retriever) may be replaced this way."""
     options: dict[str, Any] = field(default_factory=dict)
     """Free settings of your own team (read as self.cfg.options)."""
-    max_loops: int = 2
+    max_loops: Positive = 2
     """math: Solver/Verifier rounds; the Verifier is skipped on the last one."""
-    max_turns: int = 4
+    max_turns: Positive = 4
     """search: turns of at most Verifier + Search Agent each; the last turn is the Answer
     Agent's (so at most max_turns - 1 searches)."""
-    on_invalid: str = "continue"
+    on_invalid: OnInvalid = "continue"
     """search: after an action that does not parse (a Verifier reply without a verdict, a
     Search Agent reply without a query): continue (the reply stays in the context and the
     next turn starts) or end (the episode stops unanswered). The step is penalised either
@@ -134,11 +126,11 @@ class ActorConfig:
 
     id: str = ""
     """Unique name; empty = host-pid."""
-    num_actors: int = 1
+    num_actors: NonNegative = 1
     """drmas train: actor processes to start."""
     models: list[str] | None = None
     """Models this actor serves; None = all of the run's models."""
-    max_groups: int = 8
+    max_groups: Positive = 8
     """Leased groups held at once (their episodes are batched together)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine of every pool on this actor unless `pools` names the pool's model."""

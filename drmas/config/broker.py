@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-AdvantageMode = Literal["global", "agent", "agent_mean", "agent_std", "step_global"]
+from drmas.config.types import AdvantageMode, NonNegativeFloat, Positive, Scope, Seconds, StdKind
 
 
 @dataclass
 class AdvantageConfig:
-    """How step scores become advantages (DESIGN.md §1)."""
+    """How step scores become advantages (docs/algorithm.md)."""
 
-    mode: str = "agent"
+    mode: AdvantageMode = "agent"
     """global = vanilla GRPO; agent = Dr. MAS (default); agent_mean/agent_std = ablations."""
     norm_by_std: bool = True
     """False: x - mean only (Dr. GRPO style)."""
-    eps: float = 1e-6
+    eps: NonNegativeFloat = 1e-6
     """Added to the standard deviation."""
-    std: str = "unbiased"
+    std: StdKind = "unbiased"
     """unbiased (n-1, reference code) or population (n, paper)."""
-    scope: str = "group"
+    scope: Scope = "group"
     """group: statistics per prompt group; batch: pooled over the whole groups (every
     agent's steps) of the model's training batch."""
 
@@ -31,19 +30,19 @@ class BrokerConfig:
 
     address: str = "tcp://127.0.0.1:0"
     """ROUTER endpoint. Port 0 picks a free port (drmas train only). Default bind is loopback."""
-    lease_timeout_s: float = 600.0
+    lease_timeout_s: Seconds = 600.0
     """A lease not returned after this long goes back to the queue."""
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: Seconds = 1.0
     """How often clients send a Heartbeat."""
-    heartbeat_timeout_s: float = 15.0
+    heartbeat_timeout_s: Seconds = 15.0
     """A client silent this long is dead: its leases are re-issued."""
-    learner_timeout_s: float = 600.0
+    learner_timeout_s: Seconds = 600.0
     """A learner rank silent this long is dropped (it heartbeats between micro-batches;
     a weight-group rendezvous can block it for weights.timeout_s)."""
-    max_actors: int = 1024
+    max_actors: Positive = 1024
     """Actors registered at once; a Hello beyond it is refused."""
-    max_connections_per_host: int = 256
+    max_connections_per_host: Positive = 256
     """Open connections one peer host may hold; more are closed as they arrive (every
     actor, learner rank and `drmas status` of a host holds one)."""
-    max_message_bytes: int = 256 * 1024 * 1024
+    max_message_bytes: Positive = 256 * 1024 * 1024
     """Frames larger than this are dropped by ZeroMQ before decoding."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from drmas.config.types import NonNegative, NonNegativeFloat, Positive, Precision
+
 WARMSTART_WORKFLOWS = ("math", "search", "search_queries")
 
 
@@ -11,11 +13,11 @@ WARMSTART_WORKFLOWS = ("math", "search", "search_queries")
 class WarmStartConfig:
     """Supervised warm start of a builtin model, so RL starts between reward 0 and 1."""
 
-    steps: int = 2000
+    steps: NonNegative = 2000
     """Supervised steps on generated transcripts (0 = none)."""
-    batch_size: int = 8
+    batch_size: Positive = 8
     """Transcripts per step."""
-    lr: float = 1.5e-3
+    lr: NonNegativeFloat = 1.5e-3
     """AdamW learning rate of the warm start."""
     seed: int = 0
     """Added to the transcripts' own seed: another initialisation and transcript stream,
@@ -26,13 +28,6 @@ class WarmStartConfig:
     search_queries (the Search Agent's calls only) | package.module:SOURCE (your own
     team's drmas.models.warmstart.TranscriptSource). The defaults above are math's; a
     search run sets its own steps, batch_size and lr."""
-
-    def __post_init__(self) -> None:
-        if self.workflow not in WARMSTART_WORKFLOWS and ":" not in self.workflow:
-            raise ValueError(
-                f"warmstart.workflow={self.workflow!r}: expected one of {WARMSTART_WORKFLOWS} "
-                "or a target package.module:SOURCE naming a TranscriptSource"
-            )
 
 
 @dataclass
@@ -45,15 +40,15 @@ class ModelConfig:
     (created and cached on first use)."""
     revision: str = ""
     """Hub ids only: branch, tag or commit ("" = main)."""
-    lr: float = 1e-6
+    lr: NonNegativeFloat = 1e-6
     """AdamW learning rate."""
-    weight_decay: float = 0.01
+    weight_decay: NonNegativeFloat = 0.01
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
-    world_size: int | None = None
+    world_size: Positive | None = None
     """FSDP ranks of this model's learner group; None = learner.world_size."""
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     """How the learner holds and computes the weights:
     - fp32: fp32 weights, optimizer state and compute (the CPU default);
     - bf16-mixed: fp32 master weights and optimizer state, bf16 forward/backward, gradients
@@ -69,10 +64,6 @@ class ModelConfig:
     """Removed (it meant bf16-pure for bfloat16): set `precision` instead."""
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Builtin models only."""
-
-
-PRECISIONS = ("fp32", "bf16-mixed", "bf16-pure")
-"""ModelConfig.precision values."""
 
 
 def weights_dtype(precision: str) -> str:

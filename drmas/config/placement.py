@@ -4,18 +4,21 @@ drmas/launch/placement.py). Plain dataclass."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
-SHARE_MODES = ("auto", "exclusive", "shared")
+from msgspec import Meta
+
+from drmas.config.types import Fraction, ShareMode
 
 
 @dataclass
 class PlacementConfig:
     """GPU placement of the processes `drmas train` starts on this node."""
 
-    gpus: int = -1
+    gpus: Annotated[int, Meta(ge=-1)] = -1
     """GPUs to place on; -1 = every CUDA device torch sees. 0 (or none found, or
     learner.device=cpu with CPU engines) = a CPU run: nothing is placed."""
-    share: str = "auto"
+    share: ShareMode = "auto"
     """auto: actors get GPUs of their own when enough are left after one per learner
     rank, else they share the learners'; exclusive: refuse to share; shared: always put
     actors on the learners' GPUs (a one-GPU node, or to keep GPUs free)."""
@@ -23,6 +26,6 @@ class PlacementConfig:
     """Explicit: model -> one GPU index per learner rank (models not listed: automatic)."""
     actors: dict[str, list[int]] = field(default_factory=dict)
     """Explicit: actor index ("0", "1", ...) -> the GPUs its engines use."""
-    learner_memory: float = 0.5
+    learner_memory: Fraction = 0.5
     """On a GPU that a learner rank shares with engines: the fraction of memory kept for
     the learner; the engines' gpu_memory_utilization there must sum to at most the rest."""

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RETRIEVERS = ("bm25", "dense", "http")
+from drmas.config.types import Port, Positive, RetrieverName, Seconds
 
 
 @dataclass
 class RetrieverConfig:
     """Where `<search>` queries are answered (actors), and what `drmas retriever` serves."""
 
-    name: str = "bm25"
+    name: RetrieverName = "bm25"
     """bm25: bm25s over a local corpus; dense: sentence embeddings + FAISS flat inner
     product; http: a server speaking the Search-R1 `/retrieve` API (e.g. `drmas retriever`
     or an E5 + FAISS Wikipedia server)."""
@@ -21,11 +21,11 @@ class RetrieverConfig:
     bm25/dense indexes are built once and cached next to it."""
     url: str = ""
     """http: the server's base URL (queries go to POST {url}/retrieve)."""
-    top_k: int = 3
+    top_k: Positive = 3
     """Passages returned per query."""
-    timeout_s: float = 60.0
+    timeout_s: Seconds = 60.0
     """Seconds one retrieval call (a batch of queries) may take before the episode fails."""
-    max_batch: int = 64
+    max_batch: Positive = 64
     """Queries sent together: a turn's concurrent searches are batched up to this many."""
     dense_model: str = ""
     """dense: a sentence-transformers folder; empty = all-MiniLM-L6-v2 as the
@@ -35,14 +35,14 @@ class RetrieverConfig:
     host: str = "127.0.0.1"
     """drmas retriever: address to bind. The HTTP API has no authentication: an address
     other hosts can reach is refused unless allow_remote=true."""
-    port: int = 8000
+    port: Port = 8000
     """drmas retriever: port to bind."""
     allow_remote: bool = False
     """drmas retriever: bind a non-loopback host (only on a network of trusted hosts, or
     behind a firewall that admits just the actors' nodes; a warning is logged)."""
-    max_connections: int = 64
+    max_connections: Positive = 64
     """drmas retriever: open connections served at once; more get 503 at once."""
-    max_topk: int = 100
+    max_topk: Positive = 100
     """drmas retriever: largest topk a request may ask for."""
-    max_queries: int = 1024
+    max_queries: Positive = 1024
     """drmas retriever: queries one request may carry."""

@@ -1,6 +1,6 @@
 """The config schema as a user meets it: which override keys exist (with the nearest ones
 for a typo) and the one-line doc of each option, read from the field docstrings of the
-typed config dataclasses (drmas/config/root.py and each component's config.py).
+typed config dataclasses (drmas/config/).
 
 Used by `load_config` (every key of every override is checked before hydra sees it, so a
 typo given with `+` is refused too instead of being dropped) and by `drmas train --help`
@@ -170,7 +170,9 @@ def config_text(cfg: Any, group: str = "", *, docs: bool = False) -> str:
     doc` line per option instead."""
     from omegaconf import OmegaConf
 
-    node = OmegaConf.structured(cfg)
+    from drmas.config.load import config_dict
+
+    node = OmegaConf.create(config_dict(cfg))
     if group:
         problem = unknown_key(group, type(cfg))
         if problem:
@@ -213,22 +215,3 @@ def _generic_parts(key: str, root: type) -> list[str]:
             break
         kind, node = _value_type(hints[part])
     return out
-
-
-def literal_problems(cfg: Any, prefix: str = "") -> list[str]:
-    """Every field typed with a Literal whose value is not one of its choices, anywhere in
-    the config (each pool of actor.pools, each model, ...)."""
-    problems: list[str] = []
-    if not dataclasses.is_dataclass(cfg):
-        return problems
-    hints = _hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        value, tp, key = getattr(cfg, f.name), hints[f.name], f"{prefix}{f.name}"
-        if typing.get_origin(tp) is typing.Literal and value not in typing.get_args(tp):
-            problems.append(f"{key}={value!r} is not one of {list(typing.get_args(tp))}")
-        elif isinstance(value, dict):
-            for name, item in value.items():
-                problems += literal_problems(item, f"{key}.{name}.")
-        else:
-            problems += literal_problems(value, f"{key}.")
-    return problems

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from drmas.config.types import NonNegative, Positive
+
 
 @dataclass
 class TaskConfig:
@@ -22,15 +24,15 @@ class TaskConfig:
     """Column holding the question."""
     answer_key: str = "answer"
     """Column holding the gold answer."""
-    max_operand: int = 19
+    max_operand: NonNegative = 19
     """arithmetic: operands drawn from 0..max_operand."""
-    num_ops: int = 1
+    num_ops: Positive = 1
     """arithmetic: number of + / - operations."""
-    num_train: int = 4096
+    num_train: Positive = 4096
     """arithmetic: training tasks (one epoch)."""
-    num_val: int = 64
+    num_val: NonNegative = 64
     """arithmetic: held-out tasks."""
-    kb_num_people: int = 200
+    kb_num_people: Positive = 200
     """kb: fictional people in the generated knowledge base (3 questions each)."""
     seed: int = 0
     """Generation and shuffling seed: which tasks exist, the held-out split, their order."""

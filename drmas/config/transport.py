@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from drmas.config.types import PositiveFloat, Seconds, WeightsBackend
+
 
 @dataclass
 class WeightSyncConfig:
     """How new weights reach the actors."""
 
-    bucket_mb: float = 8.0
+    bucket_mb: PositiveFloat = 8.0
     """Parameters are flattened into buckets of about this many MiB per broadcast."""
-    timeout_s: float = 60.0
+    timeout_s: Seconds = 60.0
     """Every rendezvous and broadcast of the weight group times out after this."""
-    backend: str = "auto"
+    backend: WeightsBackend = "auto"
     """auto: nccl when the learner is on CUDA, else gloo."""
     host: str = "127.0.0.1"
     """Address the learner's weight-group store binds and advertises to actors; "auto" =
@@ -24,7 +26,7 @@ class WeightSyncConfig:
 
 @dataclass
 class SecurityConfig:
-    """Authentication and encryption of the broker's ZeroMQ socket (DESIGN.md §7).
+    """Authentication and encryption of the broker's ZeroMQ socket (docs/security.md).
 
     Covers broker <-> actor/learner/status traffic only; the weight and learner groups
     (gloo/NCCL over TCP) are not covered: keep them on a private network.

@@ -16,12 +16,12 @@ from drmas.actors.engines.base import Engine, GenerateRequest, GenerateResult
 from drmas.config import ConfigError, load_config
 from drmas.config.actor import WorkflowConfig
 from drmas.config.task import TaskConfig
-from drmas.plugins import team_class
 from drmas.protocol.messages import Episode, SamplingParams, Task
 from drmas.tasks.source import TaskFileError, TaskSource
 from drmas.teams.base import Team
 from drmas.teams.layout import TeamLayout
 from drmas.teams.math import MathTeam
+from drmas.teams.resolve import resolve, team_class, team_name
 from drmas.teams.search import SearchTeam
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=32)
@@ -153,17 +153,18 @@ def test_config_names_both_agent_lists_and_checks_plugins(tmp_path: Path) -> Non
     with pytest.raises(
         ConfigError, match=r"has agents \['asker'\].*names \['solver', 'verifier'\]"
     ):
-        load_config([f"workflow.target={__name__}:Asker"])
+        resolve(load_config([f"workflow.target={__name__}:Asker"]), "run")
     ok = asker_config(
         tmp_path,
         f"workflow.tools.calc={__name__}:calculator",
         f"workflow.reward={__name__}:half_reward",
     )
-    assert ok.workflow.name == "asker" and set(ok.agents) == {"asker"}
+    assert resolve(ok, "run") is Asker and team_name(ok) == "asker"
+    assert set(ok.agents) == {"asker"}
     with pytest.raises(ConfigError, match="must be an async function"):
-        load_config([f"workflow.tools.calc={__name__}:sync_tool"])
+        resolve(load_config([f"workflow.tools.calc={__name__}:sync_tool"]), "actor")
     with pytest.raises(ConfigError, match="cannot import module"):
-        load_config(["workflow.reward=nowhere.rewards:exact"])
+        resolve(load_config(["workflow.reward=nowhere.rewards:exact"]), "actor")
 
 
 def test_file_targets_in_a_config_file_resolve_against_its_folder(tmp_path: Path) -> None:
@@ -190,7 +191,7 @@ def test_file_targets_in_a_config_file_resolve_against_its_folder(tmp_path: Path
     assert source.train[0] == Task("make:train:0", "2+1", "3", "make")
     # the same key on the command line is relative to the working directory
     with pytest.raises(ConfigError, match=f"no file {Path.cwd() / 'tasks.py'}"):
-        load_config(["task.name=tasks.py:make"], str(folder / "config.yaml"))
+        resolve(load_config(["task.name=tasks.py:make"], str(folder / "config.yaml")), "broker")
 
 
 def test_task_functions_get_clear_errors(tmp_path: Path) -> None:

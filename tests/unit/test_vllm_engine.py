@@ -91,5 +91,5 @@ def test_pools_and_engine_fields_are_checked() -> None:
         load_config(["actor.engine.pause_mode=drain"])
     with pytest.raises(ConfigError, match=r"actor.pools.solver.name='tgi' is not one of"):
         load_config(["+actor.pools={solver: {name: tgi}}"])
-    with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=1.5: expected float <= 1"):
         load_config(["actor.engine.gpu_memory_utilization=1.5"])

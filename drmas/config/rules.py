@@ -1,0 +1,91 @@
+"""The config rules that span fields. A single field's type, range and choices are
+declared on the field (drmas/config/types.py) and checked while converting; what is left
+here relates one field to another. Pure: no plug-in is imported (drmas/plugins.py checks
+teams, tools, rewards and task sources, for the roles that load them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from drmas.config.errors import ConfigError
+from drmas.config.root import DrmasConfig
+
+WARMSTART_WORKFLOWS = ("math", "search", "search_queries")
+"""Built-in warm-start transcript sources (else a package.module:SOURCE target)."""
+
+
+def check(cfg: DrmasConfig) -> DrmasConfig:
+    """`cfg` with the models no agent uses dropped; raises ConfigError saying what to fix."""
+    _check_agents(cfg)
+    used = {name: m for name, m in cfg.models.items() if cfg.agents_of(name)}
+    _check_models(cfg)
+    _check_counts(cfg)
+    _check_probe(cfg)
+    return dataclasses.replace(cfg, models=used)
+
+
+def _check_agents(cfg: DrmasConfig) -> None:
+    if not cfg.agents:
+        raise ConfigError("no agents configured: pick an experiment, e.g. experiment=tiny_math")
+    for name, agent in cfg.agents.items():
+        if agent.model not in cfg.models:
+            raise ConfigError(
+                f"agents.{name}.model={agent.model!r} is not in models {sorted(cfg.models)}"
+            )
+    for model in cfg.models:
+        users = cfg.agents_of(model)
+        lrs = {lr for a in users if (lr := cfg.agents[a].lr) is not None}
+        if len(lrs) > 1:
+            raise ConfigError(
+                f"agents {users} share model {model!r} but set different lr {sorted(lrs)}; "
+                f"set models.{model}.lr instead"
+            )
+    unknown_pools = sorted(set(cfg.actor.pools) - set(cfg.models))
+    if unknown_pools:
+        raise ConfigError(
+            f"actor.pools names {unknown_pools}, which are not in models {sorted(cfg.models)}"
+        )
+
+
+def _check_models(cfg: DrmasConfig) -> None:
+    for name, model in cfg.models.items():
+        if model.dtype:
+            raise ConfigError(
+                f"models.{name}.dtype={model.dtype!r} was replaced by models.{name}.precision: "
+                "bf16-mixed (fp32 master weights, bf16 compute; what bfloat16 should have "
+                "meant), bf16-pure (bf16 weights, what dtype=bfloat16 did) or fp32"
+            )
+        workflow = model.warmstart.workflow
+        if workflow not in WARMSTART_WORKFLOWS and ":" not in workflow:
+            raise ConfigError(
+                f"models.{name}.warmstart.workflow={workflow!r}: expected one of "
+                f"{list(WARMSTART_WORKFLOWS)} or a target package.module:SOURCE naming a "
+                "TranscriptSource"
+            )
+
+
+def _check_counts(cfg: DrmasConfig) -> None:
+    if cfg.val.every and cfg.val.n < cfg.val.k:
+        raise ConfigError(f"val.n ({cfg.val.n}) must be >= val.k ({cfg.val.k})")
+    if cfg.group_size < 2 and cfg.algorithm.advantage.scope == "group":
+        raise ConfigError("group_size must be >= 2 for group-relative advantages")
+    if cfg.task.name in ("jsonl", "parquet") and not cfg.task.train_path:
+        raise ConfigError(
+            f"task.name={cfg.task.name} needs task.train_path=FILE (and optionally "
+            "task.val_path=FILE for validation)"
+        )
+
+
+def _check_probe(cfg: DrmasConfig) -> None:
+    p = cfg.probe
+    if p.rewards and set(p.rewards) != set(cfg.agents):
+        raise ConfigError(
+            f"probe.rewards must give [mean, std] for every agent {sorted(cfg.agents)}, "
+            f"got {sorted(p.rewards)}"
+        )
+    for agent, (mean, std) in p.rewards.items():
+        if not (math.isfinite(mean) and math.isfinite(std) and std >= 0):
+            raise ConfigError(f"probe.rewards.{agent} must be [mean, std >= 0], got {[mean, std]}")
+    if p.group_size == 1:
+        raise ConfigError("probe.group_size must be 0 (the run's group_size) or >= 2")

@@ -1,0 +1,60 @@
+"""Constrained field types of the config schema, declared once and checked by msgspec
+while a config is converted (drmas/config/load.py): a value outside its range or choices
+is refused with the key, the value and what is allowed. No hand-written check repeats
+them; drmas/config/rules.py holds only the rules that span fields."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta
+
+Positive = Annotated[int, Meta(ge=1)]
+"""A count of at least one."""
+NonNegative = Annotated[int, Meta(ge=0)]
+"""A count where 0 means none / off."""
+Port = Annotated[int, Meta(ge=0, le=65535)]
+"""A TCP port; 0 = a free one."""
+Seconds = Annotated[float, Meta(gt=0)]
+"""A timeout or interval: finite and above zero."""
+NonNegativeFloat = Annotated[float, Meta(ge=0)]
+"""A rate, latency or coefficient that may be zero."""
+PositiveFloat = Annotated[float, Meta(gt=0)]
+"""A scale that must be above zero."""
+Fraction = Annotated[float, Meta(ge=0, le=1)]
+"""A probability or share in [0, 1]."""
+OpenFraction = Annotated[float, Meta(gt=0, le=1)]
+"""A share in (0, 1]: nucleus mass, memory fraction."""
+
+Device = Literal["auto", "cpu", "cuda"]
+"""auto: CUDA when available, else CPU."""
+Dtype = Literal["float32", "bfloat16", "float16"]
+"""An inference engine's compute dtype."""
+EngineName = Literal["hf", "vllm", "sglang", "sim"]
+"""Which engine serves a pool."""
+PauseMode = Literal["keep", "abort"]
+"""What in-flight requests do around a weight update."""
+Precision = Literal["fp32", "bf16-mixed", "bf16-pure"]
+"""How a learner holds and computes a model's weights."""
+AdvantageMode = Literal["global", "agent", "agent_mean", "agent_std", "step_global"]
+"""global = GRPO; agent = Dr. MAS; the others are ablations (docs/algorithm.md)."""
+StdKind = Literal["unbiased", "population"]
+"""n-1 (the reference code) or n (the paper)."""
+Scope = Literal["group", "batch"]
+"""Where advantage statistics are pooled."""
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+"""How token losses are averaged into one number."""
+ISCorrection = Literal["tis", "mask", "none"]
+"""Off-policy correction of the PPO loss."""
+WeightsBackend = Literal["auto", "gloo", "nccl"]
+"""torch.distributed backend of the weight group."""
+RetrieverName = Literal["bm25", "dense", "http"]
+"""Where `<search>` queries are answered."""
+ShareMode = Literal["auto", "exclusive", "shared"]
+"""Whether actors may share the learners' GPUs."""
+TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
+"""Where metrics lines go (the broker writes them)."""
+ProbeBaseline = Literal["global", "step_global", "agent_mean", "agent_std"]
+"""Global baselines `drmas probe` compares with agent-wise advantages."""
+OnInvalid = Literal["continue", "end"]
+"""search team: what follows an action that does not parse."""
