@@ -1,4 +1,6 @@
-"""The one contract between actors, broker and learners. Imports nothing of drmas."""
+"""The contracts: every message between actors, broker and learners (messages.py, framed
+by codec.py, checked by validate.py), and the in-process engine interface that teams call
+(engine.py). Imports nothing of drmas."""
 
 from drmas.protocol.arrays import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
 from drmas.protocol.codec import ProtocolError, decode_from_broker, decode_to_broker, encode

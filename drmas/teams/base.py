@@ -28,10 +28,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from drmas.actors.engines.base import Engine, GenerateRequest
 from drmas.config.actor import WorkflowConfig
 from drmas.plugins import load_object
 from drmas.protocol.arrays import pack_ids, pack_logprobs
+from drmas.protocol.engine import Engine, GenerateRequest
 from drmas.protocol.messages import Episode, SamplingParams, Step, Task
 from drmas.teams.layout import TeamLayout
 

@@ -1,41 +1,14 @@
-"""The one interface every rollout engine implements (hf, vllm, sglang, sim).
-
-Who calls it: workflows (drmas/teams) call `generate` from many episode
-coroutines at once; the engine batches whatever is pending. The actor process calls
-`update_weights` when the broker tells it to join a weight group (the tensors arrive
-through drmas/transports/weights.py).
+"""The engine side of the interface every rollout engine implements (hf, vllm, sglang,
+sim): the interface itself, `Engine` with its request and result types, is declared in
+drmas/protocol/engine.py, where the teams that call it find it without importing the
+actor; here is what every engine does with a request before queueing it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from drmas.protocol.engine import Engine, GenerateRequest, GenerateResult
 
-if TYPE_CHECKING:
-    import torch
-
-
-@dataclass
-class GenerateRequest:
-    prompt_ids: list[int]
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    stop: tuple[str, ...] = ()
-    """Stop strings: generation ends once the decoded response contains one (kept in output)."""
-
-
-@dataclass
-class GenerateResult:
-    token_ids: list[int]
-    """Sampled response tokens (EOS included when it ended the sequence)."""
-    logprobs: list[float]
-    """log softmax(logits / temperature) of each sampled token (before top-p), <= 0."""
-    finish_reason: str
-    """"stop" (EOS or stop string) or "length" (max_new_tokens)."""
-    version: int
-    """Weight version when this request started generating."""
+__all__ = ["Engine", "GenerateRequest", "GenerateResult", "check_request"]
 
 
 def check_request(request: GenerateRequest, vocab_size: int) -> None:
@@ -46,37 +19,3 @@ def check_request(request: GenerateRequest, vocab_size: int) -> None:
         raise ValueError(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
     if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
         raise ValueError(f"prompt token id outside the vocabulary [0, {vocab_size})")
-
-
-class Engine(Protocol):
-    """Batched async generation plus weight loading for one model."""
-
-    model_name: str
-    version: int
-    tokenizer: Any  # the model's Hugging Face tokenizer (workflows build prompts with it)
-
-    async def start(self) -> None:
-        """Load the model and start the scheduling loop."""
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        """Queue one request; resolves when it finishes. Safe to call concurrently."""
-        ...
-
-    async def pause(self) -> None:
-        """Reach a safe point (between decode steps) and hold; in-flight requests keep
-        their state and continue after resume (vLLM's "keep" mode)."""
-
-    async def resume(self) -> None:
-        """Continue after pause."""
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy received tensors (Hugging Face parameter names) into the model; call only
-        while paused. Sets `version`."""
-
-    def weights_digest(self) -> str:
-        """drmas.transports.digest fingerprint of the weights the engine generates with
-        ("" if the engine cannot read them back); compared by the broker with the learner's."""
-        ...
-
-    async def close(self) -> None:
-        """Stop the loop; pending requests fail with RuntimeError."""
