@@ -1,4 +1,4 @@
-"""Elastic actors (DESIGN.md §3): attach mid-run, leave cleanly, and the `sim` engine end to end.
+"""Elastic actors (docs/deploy.md): attach mid-run, leave cleanly, and the `sim` engine end to end.
 
 The attach rule is checked first on BrokerState alone, then with real processes: a
 `drmas train` run plus an extra `drmas actor --config RUN_DIR/config.yaml` that this test
@@ -97,7 +97,8 @@ def test_an_actor_attached_mid_run_gets_weights_before_leases() -> None:
 @pytest.mark.slow
 def test_actor_attached_mid_run_syncs_then_trains(tmp_path: Path, model_cache: Path) -> None:
     """hf engine: a second actor attached once both models are past v1 shows in status,
-    receives the current weights (digests match), and then contributes accepted groups."""
+    receives the current weights (digests match), and then contributes accepted groups,
+    although its config names a tracker (wandb) that is not installed on its node."""
     # 12 steps: the late actor takes ~20-30 s to load on a loaded machine, long enough
     # for 8 steps to end before it could return a group (a CI run saw exactly that)
     run_dir, steps = tmp_path / "run", 12
@@ -113,7 +114,9 @@ def test_actor_attached_mid_run_syncs_then_trains(tmp_path: Path, model_cache: P
             return all(models[m]["version"] >= 1 for m in MODELS)
 
         wait_for(past_v1, 240, "the run never reached version 1", train)
-        late = start_actor(run_dir, address, "late")
+        # the run's broker writes jsonl; this node's config also names wandb, which only the
+        # broker would load: an actor must start without it (CI has no wandb installed)
+        late = start_actor(run_dir, address, "late", "logger=[jsonl,wandb]")
         seen = wait_for(
             lambda: actor_status(address, "late"), 120, "late actor not in status", train
         )
