@@ -71,7 +71,8 @@ def reference_logprobs(model, prompt_ids: list[int], tokens: list[int]) -> list[
 
 def test_sglang_generates_and_takes_a_publish(tmp_path: Path) -> None:
     from drmas.actors.engines.base import GenerateRequest
-    from drmas.actors.engines.sglang import SGLangEngine, SGLangOptions
+    from drmas.actors.engines.sglang import SGLangEngine
+    from drmas.actors.engines.sglang_server import SGLangOptions
     from drmas.config.actor import EngineConfig
     from drmas.config.transport import WeightSyncConfig
     from drmas.protocol.messages import JoinWeightGroup

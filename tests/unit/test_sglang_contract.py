@@ -39,13 +39,16 @@ import ast
 import asyncio
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
 from drmas.actors.engines import sglang as sg
+from drmas.actors.engines import sglang_requests as sq
+from drmas.actors.engines import sglang_server as ss
 from drmas.actors.engines.base import GenerateRequest
 from drmas.config.actor import EngineConfig
+from drmas.config.types import PauseMode
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sglang"
 
@@ -217,7 +220,7 @@ REQUEST = GenerateRequest([5, 6, 7], temperature=0.7, top_p=0.9, max_new_tokens=
 
 
 def test_generate_body_fits_generate_req_input_and_sampling_params() -> None:
-    body = sg.generate_body(REQUEST)
+    body = sq.generate_body(REQUEST)
     assert violations("/generate", body) == []
     assert body["input_ids"] == [5, 6, 7] and body["return_logprob"] is True
     params = body["sampling_params"]
@@ -225,25 +228,29 @@ def test_generate_body_fits_generate_req_input_and_sampling_params() -> None:
     assert params["temperature"] == 0.7 and params["top_p"] == 0.9
 
 
-@pytest.mark.parametrize("mode", ["keep", "abort"])
-def test_pause_body_maps_our_modes_to_sglang_modes(mode: sg.PauseMode) -> None:
-    body = sg.pause_body(mode)
+def test_every_pause_mode_has_an_sglang_mode() -> None:
+    assert set(sq.PAUSE_MODES) == set(get_args(PauseMode))
+
+
+@pytest.mark.parametrize("mode", get_args(PauseMode))
+def test_pause_body_maps_our_modes_to_sglang_modes(mode: PauseMode) -> None:
+    body = sq.pause_body(mode)
     assert violations("/pause_generation", body) == []
     assert body["mode"] == {"keep": "retract", "abort": "abort"}[mode]
 
 
 def test_weight_bodies_fit_their_request_types() -> None:
-    init = sg.init_group_body("127.0.0.1", 29500, 3, "g")
+    init = sq.init_group_body("127.0.0.1", 29500, 3, "g")
     assert violations("/init_weights_update_group", init) == []
     assert init["rank_offset"] == 1 and init["world_size"] == 3 and init["backend"] == "gloo"
-    update = sg.update_body(["w", "b"], ["bfloat16", "float32"], [(4, 2), (4,)], "g", 7)
+    update = sq.update_body(["w", "b"], ["bfloat16", "float32"], [(4, 2), (4,)], "g", 7)
     assert violations("/update_weights_from_distributed", update) == []
     assert update["weight_version"] == "7" and update["shapes"] == [[4, 2], [4]]
     assert update["flush_cache"] is True
-    assert violations("/destroy_weights_update_group", sg.destroy_group_body("g")) == []
-    assert violations("/begin_weight_update", sg.begin_update_body()) == []
-    assert violations("/end_weight_update", sg.end_update_body()) == []
-    assert violations("/continue_generation", sg.continue_body()) == []
+    assert violations("/destroy_weights_update_group", sq.destroy_group_body("g")) == []
+    assert violations("/begin_weight_update", sq.begin_update_body()) == []
+    assert violations("/end_weight_update", sq.end_update_body()) == []
+    assert violations("/continue_generation", sq.continue_body()) == []
 
 
 def test_dtype_names_we_send_are_torch_attribute_names() -> None:
@@ -273,14 +280,14 @@ def test_every_call_the_engine_makes_fits_the_contract(monkeypatch: pytest.Monke
             return 200, {"weight_version": "3", "model_path": "m"}
         return 200, {"success": True, "message": "ok"}
 
-    monkeypatch.setattr(sg, "http_call", fake_http)
-    engine = sg.SGLangEngine("m", "unused", EngineConfig(), sg.SGLangOptions(url="http://x"))
+    monkeypatch.setattr(sq, "http_call", fake_http)
+    engine = sg.SGLangEngine("m", "unused", EngineConfig(), ss.SGLangOptions(url="http://x"))
 
     async def drive() -> None:
         result = await engine.generate(REQUEST)
         assert result.token_ids == [11, 12] and result.logprobs == [-0.5, -1.5]
         await engine.pause()
-        engine._session_call("/begin_weight_update", sg.begin_update_body())
+        engine._session_call("/begin_weight_update", sq.begin_update_body())
         engine._session = 1
         await engine.resume()
         assert engine.server_weight_version() == "3"
@@ -312,26 +319,26 @@ def test_parse_generate_reads_sglang_reply_shapes() -> None:
                 "weight_version": "2", "output_token_logprobs": triples}  # fmt: skip
         return {"text": "", "output_ids": [t[1] for t in triples], "meta_info": meta}
 
-    got = sg.parse_generate(
+    got = sq.parse_generate(
         reply({"type": "stop", "matched": 2}, [[-0.1, 9, None], [-2.0, 2, None]])
     )
     assert got == ([9, 2], [-0.1, -2.0], "stop")
-    got = sg.parse_generate(reply({"type": "length", "length": 1}, [[-0.3, 4, None]]))
+    got = sq.parse_generate(reply({"type": "length", "length": 1}, [[-0.3, 4, None]]))
     assert got == ([4], [-0.3], "length")
-    assert sg.parse_generate(reply({"type": "abort", "message": "x"}, []))[2] == "abort"
+    assert sq.parse_generate(reply({"type": "abort", "message": "x"}, []))[2] == "abort"
     broken = reply({"type": "stop", "matched": "\n"}, [[-0.1, 9, None]])
     broken["output_ids"] = [9, 10]
     with pytest.raises(ValueError, match="disagree"):
-        sg.parse_generate(broken)
+        sq.parse_generate(broken)
     with pytest.raises(ValueError, match="output_token_logprobs"):
-        sg.parse_generate({"output_ids": [], "meta_info": {"finish_reason": {"type": "stop"}}})
+        sq.parse_generate({"output_ids": [], "meta_info": {"finish_reason": {"type": "stop"}}})
 
 
 def test_launch_args_use_sglang_server_flags() -> None:
     """Flag names are SGLang ServerArgs fields (sglang/srt/arg_groups/fields, 0.5.23)."""
-    opts = sg.SGLangOptions(port=1, tp_size=2, context_length=512, prefix_caching=False,
+    opts = ss.SGLangOptions(port=1, tp_size=2, context_length=512, prefix_caching=False,
                             command=["sglang"])  # fmt: skip
-    args = sg.launch_args(opts, "/m", 1234)
+    args = ss.launch_args(opts, "/m", 1234)
     flags = {a for a in args if a.startswith("--")}
     assert flags == {"--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static",
                      "--dtype", "--random-seed", "--context-length", "--disable-radix-cache"}  # fmt: skip
@@ -348,15 +355,15 @@ def test_options_come_from_the_engine_config_fields() -> None:
                           extra_args={"chunked_prefill_size": 512, "enable_torch_compile": True,
                                       "disable_cuda_graph": False},
                           sglang_url="http://h:1")  # fmt: skip
-    opts = sg.SGLangOptions.from_config(cfg)  # type: ignore[arg-type]
+    opts = ss.SGLangOptions.from_config(cfg)  # type: ignore[arg-type]
     assert (opts.tp_size, opts.mem_fraction, opts.context_length) == (2, 0.7, 1024)
     assert (opts.prefix_caching, opts.pause_mode, opts.url) == (False, "abort", "http://h:1")
     assert (opts.dtype, opts.seed, opts.max_concurrency) == ("bfloat16", 3, 16)
-    args = sg.launch_args(opts, "/m", 1)
+    args = ss.launch_args(opts, "/m", 1)
     assert args[-3:] == ["--chunked-prefill-size", "512", "--enable-torch-compile"]
     assert "--disable-radix-cache" in args and "--disable-cuda-graph" not in args
     with pytest.raises(ValueError, match="pause_mode"):
-        sg.SGLangOptions.from_config(SimpleNamespace(pause_mode="drain"))  # type: ignore[arg-type]
+        ss.SGLangOptions.from_config(SimpleNamespace(pause_mode="drain"))  # type: ignore[arg-type]
 
 
 def test_missing_sglang_is_reported_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -364,5 +371,5 @@ def test_missing_sglang_is_reported_before_anything_starts(monkeypatch: pytest.M
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ImportError, match=r"pip install 'drmas\[sglang\]'"):
-        sg.require_sglang(sg.SGLangOptions())
-    sg.require_sglang(sg.SGLangOptions(url="http://h:1"))  # a running server needs no package
+        ss.require_sglang(ss.SGLangOptions())
+    ss.require_sglang(ss.SGLangOptions(url="http://h:1"))  # a running server needs no package

@@ -11,6 +11,10 @@ a PrefixStore named after the group, torch's process-group helper, rank
 `rank_offset + tp_rank`; then one broadcast per named tensor. Its "model" answers every
 prompt with log-prob -(0.1 + frac(sum of every received weight)), so a test can tell
 which weights generated a reply.
+
+Nothing waits on the clock: a test asks the fake (route /_fake/hold) to keep the next
+/generate in flight until a pause arrives, and waits (route /_fake/wait) until that request
+has reached the fake, so the pause is certain to catch it in flight.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 20.0
+"""Longest any wait of the fake takes (a test that hangs fails with this instead)."""
 
 
 # ------------------------------------------------------------------ fake server
@@ -47,6 +54,14 @@ class FakeSGLang:
         self.groups: dict[str, Any] = {}
         self.violations: list[str] = []
         self.routes: list[str] = []
+        self.changed = threading.Condition()
+        """Notified whenever `paused`, `held` or `arrived` change."""
+        self.hold = 0
+        """How many of the next /generate requests stay in flight until a pause arrives."""
+        self.arrived = 0
+        """/generate requests received so far."""
+        self.aborted = 0
+        """/generate requests answered "abort" because of a pause."""
 
     def logprob(self) -> float:
         total = sum(float(t.double().sum()) for t in self.weights.values())
@@ -58,6 +73,12 @@ class FakeSGLang:
         self.routes.append(route)
         if route == "/_fake/state":
             return 200, self.state()
+        if route == "/_fake/hold":
+            with self.changed:
+                self.hold += 1
+            return 200, None
+        if route == "/_fake/wait":
+            return self.wait_for_count(str(body["count"]), int(body["at_least"]))
         if route in ("/begin_weight_update", "/end_weight_update") and not self.sessions:
             return 404, {"detail": "Not Found"}
         problems = violations(route, body)
@@ -83,16 +104,34 @@ class FakeSGLang:
     def do_get_model_info(self, body: None) -> tuple[int, Any]:
         return 200, {"model_path": "fake", "weight_version": self.weight_version}
 
+    def wait_for_count(self, count: str, at_least: int) -> tuple[int, Any]:
+        """Block until self.<count> (arrived, aborted) reaches `at_least`: 200, or 504."""
+        with self.changed:
+            ok = self.changed.wait_for(lambda: getattr(self, count) >= at_least, WAIT_S)
+        return (200, None) if ok else (504, {"error": f"{count} < {at_least} after {WAIT_S}s"})
+
+    def _wait(self, until: Callable[[], bool], what: str) -> None:
+        with self.changed:
+            if not self.changed.wait_for(until, WAIT_S):
+                raise TimeoutError(f"fake SGLang: no {what} within {WAIT_S}s")
+
     def do_generate(self, body: dict[str, Any]) -> tuple[int, Any]:
         params = body["sampling_params"]
         n = params["max_new_tokens"]
-        time.sleep(0.05)  # a decode in flight, so a pause can catch it
-        while self.paused:
-            if self.mode == "abort":
-                meta = {"finish_reason": {"type": "abort", "message": "paused"},
-                        "weight_version": self.weight_version, "output_token_logprobs": []}  # fmt: skip
-                return 200, {"text": "", "output_ids": [], "meta_info": meta}
-            time.sleep(0.01)  # retract: the request waits in the queue
+        with self.changed:
+            held, self.hold = self.hold > 0, max(0, self.hold - 1)
+            self.arrived += 1
+            self.changed.notify_all()
+        if held:  # a decode in flight until the test's pause catches it
+            self._wait(lambda: self.paused, "pause for a held request")
+        if self.paused and self.mode == "abort":
+            with self.changed:
+                self.aborted += 1
+                self.changed.notify_all()
+            meta = {"finish_reason": {"type": "abort", "message": "paused"},
+                    "weight_version": self.weight_version, "output_token_logprobs": []}  # fmt: skip
+            return 200, {"text": "", "output_ids": [], "meta_info": meta}
+        self._wait(lambda: not self.paused, "continue")  # retract: it waits in the queue
         ids = [(sum(body["input_ids"]) + i) % 50 + 3 for i in range(n)]
         lp = self.logprob()
         meta = {
@@ -105,12 +144,17 @@ class FakeSGLang:
         return 200, {"text": "", "output_ids": ids, "meta_info": meta}
 
     def do_pause_generation(self, body: dict[str, Any]) -> tuple[int, Any]:
-        self.paused, self.mode = True, body.get("mode", "abort")
+        self.set_paused(True, body.get("mode", "abort"))
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
     def do_continue_generation(self, body: dict[str, Any]) -> tuple[int, Any]:
-        self.paused = False
+        self.set_paused(False)
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def set_paused(self, paused: bool, mode: str = "") -> None:
+        with self.changed:
+            self.paused, self.mode = paused, mode or self.mode
+            self.changed.notify_all()
 
     def do_begin_weight_update(self, body: dict[str, Any]) -> tuple[int, Any]:
         self.session = True
@@ -206,6 +250,8 @@ if __name__ == "__main__":
 
 # ------------------------------------------------------------------ tests
 from drmas.actors.engines import sglang as sg  # noqa: E402
+from drmas.actors.engines import sglang_requests as sq  # noqa: E402
+from drmas.actors.engines import sglang_server as ss  # noqa: E402
 from drmas.actors.engines.base import GenerateRequest  # noqa: E402
 from drmas.config.actor import EngineConfig  # noqa: E402
 from drmas.config.transport import WeightSyncConfig  # noqa: E402
@@ -226,12 +272,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def options(**kw: Any) -> sg.SGLangOptions:
+def options(**kw: Any) -> ss.SGLangOptions:
     base = {"command": [sys.executable, str(Path(__file__).resolve())],
             "start_timeout_s": 20.0, "control_timeout_s": 10.0, "request_timeout_s": 20.0,
             "weight_timeout_s": 20.0}  # fmt: skip
     base.update(kw)
-    return sg.SGLangOptions(**base)
+    return ss.SGLangOptions(**base)
 
 
 def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -267,7 +313,23 @@ async def publish(engine: sg.SGLangEngine, sender: WeightSender, version: int) -
 
 
 def fake_state(engine: sg.SGLangEngine) -> dict[str, Any]:
-    return sg.http_call(engine.url, "/_fake/state", None, 5.0)[1]  # type: ignore[no-any-return]
+    return sq.http_call(engine.url, "/_fake/state", None, 5.0)[1]  # type: ignore[no-any-return]
+
+
+async def hold_next(engine: sg.SGLangEngine) -> None:
+    """The fake keeps the next /generate in flight until a pause arrives."""
+    status, _ = await asyncio.to_thread(sq.http_call, engine.url, "/_fake/hold", {}, 5.0)
+    assert status == 200
+
+
+async def fake_reached(engine: sg.SGLangEngine, count: str, at_least: int) -> None:
+    """Wait until the fake's `count` (arrived: /generate requests received; aborted: those
+    it answered "abort") reaches `at_least`."""
+    body = {"count": count, "at_least": at_least}
+    status, reply = await asyncio.to_thread(
+        sq.http_call, engine.url, "/_fake/wait", body, WAIT_S + 5.0
+    )
+    assert status == 200, reply
 
 
 def test_managed_server_generates_pauses_takes_weights_and_stops(model_dir: Path) -> None:
@@ -284,9 +346,10 @@ def test_managed_server_generates_pauses_takes_weights_and_stops(model_dir: Path
             assert all(r.finish_reason == "length" and len(r.token_ids) == 4 for r in first)
             assert all(r.logprobs == [-0.1] * 4 and r.version == 0 for r in first)
             # a request in flight when the pause comes (keep -> retract) finishes after it
+            await hold_next(engine)
             inflight = asyncio.create_task(engine.generate(REQ))
+            await fake_reached(engine, "arrived", 9)
             for version in (1, 2):
-                await asyncio.sleep(0.01)
                 named = await publish(engine, sender, version)
                 assert engine.version == version
                 assert await asyncio.to_thread(engine.server_weight_version) == str(version)
@@ -311,8 +374,8 @@ def test_managed_server_generates_pauses_takes_weights_and_stops(model_dir: Path
 
 
 def fake_state_gone(engine: sg.SGLangEngine) -> bool:
-    with pytest.raises(sg.SGLangHTTPError, match="is the server running"):
-        sg.http_call(engine.url, "/health", None, 2.0)
+    with pytest.raises(sq.SGLangHTTPError, match="is the server running"):
+        sq.http_call(engine.url, "/health", None, 2.0)
     return True
 
 
@@ -329,20 +392,21 @@ def test_url_mode_abort_pause_resubmits_and_old_server_has_no_sessions(model_dir
     async def main() -> None:
         await engine.start()
         try:
+            await hold_next(engine)
             inflight = asyncio.create_task(engine.generate(REQ))
-            await asyncio.sleep(0.01)
+            await fake_reached(engine, "arrived", 1)
             await engine.pause()
-            await asyncio.sleep(0.1)  # the fake aborts it now; the engine waits to resubmit
+            await fake_reached(engine, "aborted", 1)  # the engine resubmits it after resume
             assert not inflight.done()
-            engine._session_call("/begin_weight_update", sg.begin_update_body())
+            engine._session_call("/begin_weight_update", sq.begin_update_body())
             assert not engine._sessions_supported
             await engine.resume()
             result = await inflight
             assert result.finish_reason == "length" and len(result.token_ids) == 4
-            fake.paused, fake.mode = True, "abort"  # the server aborts on its own: an error
-            with pytest.raises(sg.SGLangHTTPError, match="aborted a request"):
+            fake.set_paused(True, "abort")  # the server aborts on its own: an error
+            with pytest.raises(sq.SGLangHTTPError, match="aborted a request"):
                 await engine.generate(REQ)
-            fake.paused = False
+            fake.set_paused(False)
         finally:
             await engine.close()
 
@@ -351,7 +415,9 @@ def test_url_mode_abort_pause_resubmits_and_old_server_has_no_sessions(model_dir
     finally:
         server.shutdown()
     assert fake.violations == []
-    assert fake.routes.count("/generate") == 3  # aborted by our pause and run again; 1 error
+    # aborted by our pause and run again once resumed (a resubmission while still paused
+    # would have been aborted as well, and failed), then the server's own abort: an error
+    assert fake.routes.count("/generate") == 3 and fake.aborted == 2
 
 
 def test_managed_server_that_exits_reports_its_log(model_dir: Path) -> None:
@@ -367,8 +433,6 @@ def test_managed_server_never_ready_times_out_and_is_killed(model_dir: Path) -> 
     engine = sg.SGLangEngine(
         "m", model_dir, EngineConfig(), options(command=hang, start_timeout_s=1.0)
     )
-    start = time.monotonic()
     with pytest.raises(TimeoutError, match="not ready within 1s"):
         asyncio.run(engine.start())
     assert engine.server is not None and engine.server.proc is None  # stopped (killed)
-    assert time.monotonic() - start < 20

@@ -63,7 +63,8 @@ def _vllm(model_name: str, path: str, cfg: EngineConfig) -> Engine:
 
 
 def _sglang(model_name: str, path: str, cfg: EngineConfig) -> Engine:
-    from drmas.actors.engines.sglang import SGLangEngine, SGLangOptions, require_sglang
+    from drmas.actors.engines.sglang import SGLangEngine
+    from drmas.actors.engines.sglang_server import SGLangOptions, require_sglang
 
     opts = SGLangOptions.from_config(cfg)
     require_sglang(opts)  # "pip install 'drmas[sglang]'" before training starts
