@@ -29,15 +29,16 @@ def drmas_children_of(run_dir: Path) -> list[psutil.Process]:
 
 def test_a_failing_child_stops_the_run_and_names_itself(tmp_path: Path, model_cache: Path) -> None:
     run_dir = tmp_path / "run"
-    # the actor fails at start (its engine refuses the batch size); broker and learners
-    # must stop too
+    # the actor fails at start (its SGLang engine finds no server at the URL: port 9 on
+    # loopback, where nothing listens; a config check cannot know that); broker and
+    # learners must stop too
     out = drmas(
-        "train", *FAST, "actor.engine.max_batch=0", f"run.dir={run_dir}",
-        f"run.cache_dir={model_cache}", timeout=300,
+        "train", *FAST, "actor.engine.name=sglang", "actor.engine.sglang_url=http://127.0.0.1:9",
+        f"run.dir={run_dir}", f"run.cache_dir={model_cache}", timeout=300,
     )  # fmt: skip
-    assert out.returncode == 1
+    assert out.returncode == 1, out.stderr[-3000:]
     assert "actor-0 exited with code 1" in out.stderr
-    assert "engine max_batch must be >= 1, got 0" in out.stderr  # its log tail is shown
+    assert "SGLang server at http://127.0.0.1:9: /health failed" in out.stderr  # its log tail
     assert drmas_children_of(run_dir) == []
 
 
