@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -16,6 +16,7 @@ from drmas.protocol.messages import Episode, SamplingParams, Task
 from drmas.protocol.validate import Limits, check_step
 from drmas.teams.math.prompts import INSTRUCTIONS, TINY_INSTRUCTIONS
 from drmas.teams.math.workflow import MathTeam
+from tests.fixtures.engines import ScriptedEngine
 
 TASK = Task(task_id="arithmetic:train:0", question="2+3", answer="5", source="arithmetic")
 SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=32)
@@ -60,37 +61,10 @@ class CharTokenizer:
         ]
 
 
-@dataclass
-class Call:
-    agent: str
-    prompt: str
-    request: GenerateRequest
-
-
-@dataclass
-class ScriptedEngine:
-    """Answers each agent's n-th call with script[agent][n]; an entry is a text (ends with
-    EOS, finish "stop") or (text, "length") (no EOS). Versions count calls from 100."""
-
-    model_name: str
-    tokenizer: CharTokenizer
-    script: dict[str, list[Any]]
-    version: int = 0
-    calls: list[Call] = field(default_factory=list)
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        prompt = self.tokenizer.decode(request.prompt_ids)
-        verifier = prompt.endswith("Verifier:") or "You are the Verifier. Respond now." in prompt
-        agent = "verifier" if verifier else "solver"
-        n = sum(c.agent == agent for c in self.calls)
-        self.calls.append(Call(agent, prompt, request))
-        entry = self.script[agent][n]
-        text, finish = (entry, "stop") if isinstance(entry, str) else entry
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        if finish == "stop":
-            ids = [*ids, self.tokenizer.eos_token_id]
-        await asyncio.sleep(0)
-        return GenerateResult(ids, [-0.25] * len(ids), finish, version=100 + len(self.calls) - 1)
+def _agent(prompt: str) -> str:
+    """Whose turn a prompt ends on: the Verifier's label (plain) or its chat cue."""
+    verifier = prompt.endswith("Verifier:") or "You are the Verifier. Respond now." in prompt
+    return "verifier" if verifier else "solver"
 
 
 def _workflow(
@@ -105,7 +79,7 @@ def _workflow(
 
 def _shared(script: dict[str, list[Any]], **cfg: Any) -> tuple[MathTeam, ScriptedEngine]:
     tok = CharTokenizer()
-    engine = ScriptedEngine("m", tok, script)
+    engine = ScriptedEngine(script, tok, _agent)
     workflow = _workflow(
         WorkflowConfig(**cfg),
         {"solver": "m", "verifier": "m"},
@@ -228,7 +202,7 @@ def test_empty_response_is_a_clear_error() -> None:
     workflow = _workflow(
         WorkflowConfig(),
         {"solver": "m", "verifier": "m"},
-        {"m": Empty("m", tok, {})},
+        {"m": Empty({}, tok)},
         {"m": tok},
     )
     with pytest.raises(RuntimeError, match="no tokens for agent 'solver'"):
@@ -238,8 +212,8 @@ def test_empty_response_is_a_clear_error() -> None:
 # ---------------------------------------------------------------------- routing
 def test_non_shared_models_use_their_own_engine_and_tokenizer() -> None:
     tok_a, tok_b = CharTokenizer(0), CharTokenizer(256)
-    engine_a = ScriptedEngine("a", tok_a, {"solver": [" \\boxed{4}", " \\boxed{5}"]})
-    engine_b = ScriptedEngine("b", tok_b, {"verifier": [" <verify>no</verify>"]})
+    engine_a = ScriptedEngine({"solver": [" \\boxed{4}", " \\boxed{5}"]}, tok_a, _agent, "a")
+    engine_b = ScriptedEngine({"verifier": [" <verify>no</verify>"]}, tok_b, _agent, "b")
     workflow = _workflow(
         WorkflowConfig(max_loops=2),
         {"solver": "a", "verifier": "b"},
@@ -284,7 +258,7 @@ def test_shared_model_routes_every_agent_to_one_engine() -> None:
 
 def test_bad_wiring_is_refused() -> None:
     tok = CharTokenizer()
-    engine = ScriptedEngine("m", tok, {})
+    engine = ScriptedEngine({}, tok, _agent)
     with pytest.raises(ValueError, match="bound to model 'x'"):
         _workflow(WorkflowConfig(), {"solver": "m", "verifier": "x"}, {"m": engine}, {"m": tok})
     with pytest.raises(ValueError, match="agents"):
@@ -307,7 +281,7 @@ def test_bad_wiring_is_refused() -> None:
 def test_chat_style_uses_the_template_and_full_instructions(chat_returns: str) -> None:
     tok = CharTokenizer(chat_returns=chat_returns)
     engine = ScriptedEngine(
-        "m", tok, {"solver": [" \\boxed{5}"], "verifier": [" <verify>yes</verify>"]}
+        {"solver": [" \\boxed{5}"], "verifier": [" <verify>yes</verify>"]}, tok, _agent
     )
     workflow = _workflow(
         WorkflowConfig(prompt_style="chat"),

@@ -10,11 +10,12 @@ from typing import Any, cast
 
 import pytest
 
-from drmas.actors.engines.base import Engine, GenerateRequest, GenerateResult
+from drmas.actors.engines.base import Engine
 from drmas.config.actor import WorkflowConfig
 from drmas.protocol.messages import Episode, SamplingParams, Task
 from drmas.teams.search.prompts import TINY_INSTRUCTIONS
 from drmas.teams.search.workflow import RetrieverTool, SearchTeam
+from tests.fixtures.engines import ScriptedEngine
 
 TASK = Task("kb:train:0", "In which country was Bo Taki born?", "Orsa", "kb", ["Orsa", "Orsa Land"])
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=32)
@@ -37,23 +38,9 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == EOS))
 
 
-@dataclass
-class ScriptedEngine:
-    """Answers each agent's n-th call with script[agent][n] (+ EOS); records the prompts."""
-
-    script: dict[str, list[str]]
-    tokenizer: CharTokenizer = field(default_factory=CharTokenizer)
-    prompts: list[tuple[str, str]] = field(default_factory=list)
-    version: int = 0
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        prompt = self.tokenizer.decode(request.prompt_ids)
-        agent = next(a for label, a in AGENT_OF_LABEL.items() if prompt.endswith(label))
-        n = sum(a == agent for a, _ in self.prompts)
-        self.prompts.append((agent, prompt))
-        ids = [*self.tokenizer(self.script[agent][n]).input_ids, EOS]
-        await asyncio.sleep(0)
-        return GenerateResult(ids, [-0.5] * len(ids), "stop", version=7)
+def _agent(prompt: str) -> str:
+    """Whose turn a prompt ends on, by the label it ends with."""
+    return next(a for label, a in AGENT_OF_LABEL.items() if prompt.endswith(label))
 
 
 @dataclass(frozen=True)
@@ -88,7 +75,7 @@ INDEX = {
 def _workflow(
     script: dict[str, list[str]], **cfg: Any
 ) -> tuple[SearchTeam, ScriptedEngine, FakeRetriever]:
-    engine, retriever = ScriptedEngine(script), FakeRetriever(INDEX)
+    engine, retriever = ScriptedEngine(dict(script), CharTokenizer(), _agent), FakeRetriever(INDEX)
     models = {"verifier": "v", "searcher": "s", "answerer": "a"}
     engines = cast(dict[str, Engine], {"v": engine, "s": engine, "a": engine})
     tokenizers: dict[str, object] = {m: engine.tokenizer for m in ("v", "s", "a")}
@@ -136,7 +123,7 @@ def test_two_searches_then_the_verifier_approves_and_the_answer_is_exact() -> No
         "invalid_actions": 0.0,
     }
     # The Answer Agent saw the whole team context, passages included, in order.
-    answer_prompt = engine.prompts[-1][1]
+    answer_prompt = engine.calls[-1].prompt
     assert answer_prompt == (
         f"{TINY_INSTRUCTIONS['answerer']}\nQuestion: {TASK.question}\n"
         "Verifier: <verify>no</verify>\n"
@@ -148,7 +135,7 @@ def test_two_searches_then_the_verifier_approves_and_the_answer_is_exact() -> No
         "Verifier: <verify>yes</verify>\n"
         "Answer:"
     )
-    assert engine.prompts[0][1].startswith(f"{TINY_INSTRUCTIONS['verifier']}\n")
+    assert engine.calls[0].prompt.startswith(f"{TINY_INSTRUCTIONS['verifier']}\n")
 
 
 def test_the_last_turn_forces_the_answer_without_asking_the_verifier() -> None:
@@ -208,7 +195,7 @@ def test_invalid_actions_are_penalised_and_the_episode_continues() -> None:
     assert episode.metrics["invalid_actions"] == 3.0
     assert episode.metrics["answered"] == 0.0 and episode.metrics["f1"] == 0.0
     # the malformed replies stay in the context the next agents read
-    assert "Verifier: maybe?\nSearch: <search></search>\nVerifier:" in engine.prompts[2][1]
+    assert "Verifier: maybe?\nSearch: <search></search>\nVerifier:" in engine.calls[2].prompt
 
 
 def test_on_invalid_end_stops_the_episode_unanswered() -> None:
@@ -249,13 +236,13 @@ def test_a_group_runs_its_episodes_concurrently() -> None:
     assert len(episodes) == 4 and retriever.queries == ["Bo Taki"] * 4
     # the four first Verifier calls were all issued before any search: the engine and the
     # retriever each see the group's calls together
-    assert [a for a, _ in engine.prompts[:4]] == ["verifier"] * 4
+    assert [c.agent for c in engine.calls[:4]] == ["verifier"] * 4
     asyncio.run(workflow.close())
     assert retriever.closed
 
 
 def test_bad_settings_and_bindings_are_refused() -> None:
-    engine, retriever = ScriptedEngine({}), FakeRetriever({})
+    engine, retriever = ScriptedEngine({}, CharTokenizer(), _agent), FakeRetriever({})
     engines = cast(dict[str, Engine], {"m": engine})
     tok: dict[str, object] = {"m": engine.tokenizer}
     team = {"verifier": "m", "searcher": "m", "answerer": "m"}

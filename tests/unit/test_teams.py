@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
 import pytest
 
 from drmas import plugins as loader
-from drmas.actors.engines.base import Engine, GenerateRequest, GenerateResult
+from drmas.actors.engines.base import Engine
 from drmas.config import ConfigError, load_config
 from drmas.config.actor import WorkflowConfig
 from drmas.config.task import TaskConfig
@@ -23,6 +23,7 @@ from drmas.teams.layout import TeamLayout
 from drmas.teams.math import MathTeam
 from drmas.teams.resolve import resolve, team_class, team_name
 from drmas.teams.search import SearchTeam
+from tests.fixtures.engines import ScriptedEngine
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=32)
 EOS = 3
@@ -41,21 +42,6 @@ class CharTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == EOS))
-
-
-@dataclass
-class ScriptedEngine:
-    """Answers the n-th call with replies[n] (+ EOS); records the prompts."""
-
-    replies: list[str]
-    tokenizer: CharTokenizer = field(default_factory=CharTokenizer)
-    prompts: list[str] = field(default_factory=list)
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        self.prompts.append(self.tokenizer.decode(request.prompt_ids))
-        ids = [*self.tokenizer(self.replies[len(self.prompts) - 1]).input_ids, EOS]
-        await asyncio.sleep(0)
-        return GenerateResult(ids, [-0.5] * len(ids), "stop", version=1)
 
 
 CALLS: list[str] = []
@@ -216,7 +202,9 @@ def test_task_functions_get_clear_errors(tmp_path: Path) -> None:
 
 def test_a_user_tool_is_called_and_its_result_joins_the_context(tmp_path: Path) -> None:
     cfg = asker_config(tmp_path, f"workflow.tools.calc={__name__}:calculator")
-    engine = ScriptedEngine([" <calc> 17 +\n 25 </calc>", " 42", " <calc></calc>", " 41"])
+    engine = ScriptedEngine(
+        [" <calc> 17 +\n 25 </calc>", " 42", " <calc></calc>", " 41"], CharTokenizer()
+    )
     engines = cast(dict[str, Engine], {"m": engine})
     team = team_class(cfg.workflow).build(cfg, {"asker": "m"}, engines, {"m": engine.tokenizer})
     CALLS.clear()
@@ -224,13 +212,13 @@ def test_a_user_tool_is_called_and_its_result_joins_the_context(tmp_path: Path) 
     first = run(team, task)
     assert CALLS == ["17 + 25"]  # whitespace folded
     assert first.steps[0].valid and first.reward == 1.0
-    assert engine.prompts[1].endswith("Asker: <calc> 17 +\n 25 </calc>\nResult: 42\nAsker:")
+    assert engine.calls[1].prompt.endswith("Asker: <calc> 17 +\n 25 </calc>\nResult: 42\nAsker:")
     second = run(team, task)  # an empty call is an invalid step; no tool runs
     assert not second.steps[0].valid and CALLS == ["17 + 25"] and second.reward == 0.0
 
 
 def test_workflow_reward_replaces_the_teams_score() -> None:
-    engine = ScriptedEngine([" \\boxed{5}", " <verify>yes</verify>"] * 2)
+    engine = ScriptedEngine([" \\boxed{5}", " <verify>yes</verify>"] * 2, CharTokenizer())
     engines = cast(dict[str, Engine], {"m": engine})
     bind = {"solver": "m", "verifier": "m"}
     own = MathTeam(WorkflowConfig(), bind, engines, {"m": engine.tokenizer})
@@ -245,7 +233,7 @@ def test_workflow_reward_replaces_the_teams_score() -> None:
         return float("nan")
 
     broken = MathTeam(WorkflowConfig(), bind, engines, {"m": engine.tokenizer}, reward=nan_reward)
-    engine.prompts.clear()
+    engine.calls.clear()
     with pytest.raises(ValueError, match=r"workflow\.reward returned nan"):
         run(broken, task)
 
