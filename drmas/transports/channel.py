@@ -11,7 +11,8 @@ Socket semantics, written where the sockets are made:
   every receive has an explicit timeout. Messages the broker sends unsolicited
   (JoinWeightGroup, Shutdown) that arrive while waiting for a reply are kept in `inbox`.
 
-Security (DESIGN.md §7, keys in drmas/transports/security.py):
+Security of the broker socket (keys in drmas/transports/security.py; what every other
+connection exposes, and the firewall recipe, in docs/security.md):
 - security.curve=true: the ROUTER is a CURVE server and a ZAP handler admits only the
   client keys in KEYS_DIR/authorized/; clients are CURVE clients with their own key pair.
   A client without an authorized key (a wrong key pair, or no CURVE at all) can open a

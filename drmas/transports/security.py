@@ -91,6 +91,22 @@ def write_keys(
     whole key set is replaced and every key issued before stops working (old client
     keys are removed from authorized/ too, so a leaked old key cannot get back in).
     """
+    names = _client_names(clients)
+    existing = _existing_keys(root, force)
+    roles = _checked_roles(roles or {}, names)
+    for p in [*existing, root / "authorized" / "roles.json"]:
+        p.unlink(missing_ok=True)
+    (root / "clients").mkdir(parents=True, exist_ok=True)
+    (root / "authorized").mkdir(exist_ok=True)
+    written = _make_pairs(root, names)
+    if roles:
+        (root / "authorized" / "roles.json").write_text(json.dumps(roles, indent=2) + "\n")
+        written.append(root / "authorized" / "roles.json")
+    return written
+
+
+def _client_names(clients: Sequence[str]) -> list[str]:
+    """The client names, duplicates dropped, each checked to be a plain file name."""
     names = list(dict.fromkeys(clients))
     if not names:
         raise SecurityError("drmas keys: give at least one client name (--clients a,b)")
@@ -100,6 +116,11 @@ def write_keys(
                 f"drmas keys: client name {name!r} must be letters, digits, '_', '.', '-' "
                 "(up to 64, starting with a letter or digit)"
             )
+    return names
+
+
+def _existing_keys(root: Path, force: bool) -> list[Path]:
+    """Key files already under `root`; refuses to go on when there are any, unless force."""
     candidates = [
         root / "broker.key",
         root / "broker.key_secret",
@@ -113,20 +134,25 @@ def write_keys(
             f"drmas keys: {root} already holds keys ({shown}); refusing to overwrite. "
             "Pass --force to replace the whole key set (every issued key stops working)."
         )
-    roles = dict(roles or {})
+    return existing
+
+
+def _checked_roles(roles: dict[str, str], names: list[str]) -> dict[str, str]:
     for name, role in roles.items():
         if name not in names or role not in KEY_ROLES:
             raise SecurityError(
                 f"drmas keys: role {role!r} for {name!r}: give NAME:ROLE for a listed client "
                 f"with ROLE one of {sorted(KEY_ROLES)}"
             )
-    for p in [*existing, root / "authorized" / "roles.json"]:
-        p.unlink(missing_ok=True)
-    (root / "clients").mkdir(parents=True, exist_ok=True)
-    (root / "authorized").mkdir(exist_ok=True)
+    return dict(roles)
+
+
+def _make_pairs(root: Path, names: list[str]) -> list[Path]:
+    """The broker's and every client's key pair, moved into place; clients' public keys
+    are copied to authorized/. Keys are made in a private (0700) staging folder and
+    chmod-ed before they are moved in, so a secret key is never readable by others, not
+    even for a moment."""
     written = []
-    # Keys are made in a private (0700) staging folder and chmod-ed before they are moved
-    # in, so a secret key is never readable by others, not even for a moment.
     with tempfile.TemporaryDirectory(dir=root, prefix=".staging-") as tmp:
         staging = Path(tmp)
         for name, dest in [("broker", root)] + [(n, root / "clients") for n in names]:
@@ -139,9 +165,6 @@ def write_keys(
             if dest != root:  # a public key: nothing secret is copied
                 shutil.copyfile(dest / public.name, root / "authorized" / public.name)
                 written.append(root / "authorized" / public.name)
-    if roles:
-        (root / "authorized" / "roles.json").write_text(json.dumps(roles, indent=2) + "\n")
-        written.append(root / "authorized" / "roles.json")
     return written
 
 

@@ -1,0 +1,75 @@
+"""New weights from learner rank 0 to the actors serving a model, over torch.distributed.
+
+    layout.py    the header and the bucket layout both sides derive from it
+    group.py     the weight store, the process group (rendezvous, broadcasts, teardown)
+    sender.py    learner rank 0 publishes (WeightSender)
+    receiver.py  actors load (WeightReceiver)
+
+A *weight group* per membership: learner rank 0 is rank 0, the actors of the broker's
+WeightGroupPlan are ranks 1..n. The group is built directly from a `TCPStore` that learner
+rank 0 hosts for the whole run (bound on `WeightSyncConfig.host`, free port), namespaced
+by `PrefixStore(group_name)`, so it never touches the learners' own default group.
+
+The group persists across versions: the broker names a publish's group after its
+membership (drmas/broker/publishing.py), and while the name (and, on the actor side, the
+store and rank) stays the same, sender and receivers broadcast the next version over the
+group they already hold, with no rendezvous and no teardown. A new name (an actor
+attached, detached or failed, a re-publish to a subset, a restarted learner) retires the
+old group: it is aborted (never waits for a peer) by `release()`, off the sync's path,
+since gloo's teardown holds the GIL for ~20 ms. A failed publish aborts its group at
+once, so the next one forms a fresh group. A dead or late peer never leaves a hung group.
+
+Protocol inside a group (all broadcasts from rank 0):
+
+    store  "<group>/backend" = "gloo" | "nccl"   (set before the rendezvous)
+    1. header length      int64 [1]
+    2. header             uint8 [length]  msgpack Header: bucket_bytes + (name, shape, dtype)
+    3. bucket 0 .. n-1    one flat tensor of a single dtype each, in `plan_buckets` order
+
+Every wait (store connect, rendezvous, each broadcast) has the group's timeout; running
+out raises WeightSyncTimeout naming the group, the phase and the peers.
+
+Exposure: the store listens only on `weights.host` (rank 0 binds the socket itself and
+hands it to torch, which would otherwise listen on every interface); anyone who reaches it
+can read and write its keys, so weights.host should be an address only the actors reach.
+gloo's own pair sockets listen on the interface it picks from the host name (set
+GLOO_SOCKET_IFNAME to pin it); docs/security.md has the firewall recipe. A receiver takes
+at most MAX_HEADER_BYTES of header and MAX_BUCKET_BYTES per bucket from rank 0.
+"""
+
+from drmas.transports.weights.group import advertised_host, resolve_backend
+from drmas.transports.weights.layout import (
+    MAX_BUCKET_BYTES,
+    MAX_HEADER_BYTES,
+    Bucket,
+    Header,
+    NamedTensors,
+    TensorSpec,
+    WeightSyncError,
+    WeightSyncTimeout,
+    decode_header,
+    plan_buckets,
+    spec_of,
+)
+from drmas.transports.weights.receiver import ReceiveStats, WeightReceiver
+from drmas.transports.weights.sender import PublishStats, WeightSender
+
+__all__ = [
+    "MAX_BUCKET_BYTES",
+    "MAX_HEADER_BYTES",
+    "Bucket",
+    "Header",
+    "NamedTensors",
+    "PublishStats",
+    "ReceiveStats",
+    "TensorSpec",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightSyncError",
+    "WeightSyncTimeout",
+    "advertised_host",
+    "decode_header",
+    "plan_buckets",
+    "resolve_backend",
+    "spec_of",
+]

@@ -1,0 +1,268 @@
+"""The torch.distributed side of a weight group: the store learner rank 0 hosts, the
+process group built from it (rendezvous, bounded broadcasts, teardown), and the bucket
+buffers and broadcast pipeline that sender.py and receiver.py share.
+
+A group is made directly from a `TCPStore` namespaced by `PrefixStore(group_name)`, so it
+never touches the learners' own default group. Every wait (store connect, rendezvous, each
+broadcast) has the group's timeout; running out raises WeightSyncTimeout naming the
+group, the phase and the peers. Closing a group costs ~20 ms holding the GIL (gloo joins
+its threads), which is why groups that are no longer used are retired and closed later,
+off the sync's path (`Retired`).
+
+Exposure: `listen` binds the store's socket on `weights.host` only (torch would otherwise
+listen on every interface); anyone who reaches it can read and write its keys, so
+weights.host should be an address only the actors reach.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from drmas.config.transport import WeightSyncConfig
+from drmas.transports.weights.layout import DTYPES, WeightSyncError, WeightSyncTimeout
+
+log = logging.getLogger("drmas.weights")
+
+
+def resolve_backend(cfg: WeightSyncConfig, device: torch.device | str) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+@dataclass
+class Where:
+    """What a weight-group error message names: group, own rank, peers, timeout."""
+
+    group: str
+    rank: int
+    world_size: int
+    timeout_s: float
+    peers: str
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
+
+    @contextlib.contextmanager
+    def phase(self, what: str) -> Iterator[None]:
+        """Re-raise a torch.distributed failure (a RuntimeError) as WeightSyncTimeout when it
+        ran out of time, else WeightSyncError, naming the group, phase and peers."""
+        start = time.monotonic()
+        try:
+            yield
+        except WeightSyncError:
+            raise
+        except (RuntimeError, ValueError) as exc:
+            waited = time.monotonic() - start
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            timed_out = "timeout" in text.lower() or "timed out" in text.lower()
+            cls = WeightSyncTimeout if timed_out else WeightSyncError
+            raise cls(
+                f"weight group {self.group!r} (rank {self.rank} of {self.world_size}): "
+                f"{what} failed after {waited:.1f}s (timeout {self.timeout_s:.0f}s); "
+                f"peers: {self.peers}; cause: {text}"
+            ) from exc
+
+
+class Group:
+    """A process group built from a store for one publish; every wait is bounded."""
+
+    def __init__(self, where: Where, store: dist.Store, backend: str, device: torch.device) -> None:
+        self.where = where
+        self.device = device
+        with where.phase("rendezvous"):
+            self.pg: Any = make_pg(
+                store, where.rank, where.world_size, backend, device, where.timeout
+            )
+
+    def start(self, tensor: torch.Tensor, what: str) -> Any:
+        """Queue a broadcast from rank 0 (gloo runs it on its own threads); `finish` waits."""
+        assert self.pg is not None
+        with self.where.phase(what):
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            opts.timeout = self.where.timeout
+            return self.pg.broadcast([tensor], opts)
+
+    def finish(self, work: Any, what: str) -> None:
+        with self.where.phase(what):
+            work.wait(self.where.timeout)
+
+    def broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        self.finish(self.start(tensor, what), what)
+
+    def close(self, ok: bool) -> None:
+        """Tear the group down: shutdown when every peer is known to be doing the same, else
+        abort (never waits for a peer). Either costs ~20 ms holding the GIL (gloo joins its
+        threads), which is why groups are retired and closed later by `release()`."""
+        if self.pg is None:
+            return
+        pg, self.pg = self.pg, None
+        try:
+            if ok:
+                pg.shutdown()
+            else:
+                pg.abort()
+        except RuntimeError as exc:  # already broken: nothing left to release
+            log.debug("closing weight group %s: %s", self.where.group, exc)
+
+
+class Retired:
+    """Groups that are no longer used and only wait to be torn down, off the sync's path."""
+
+    def __init__(self) -> None:
+        self.groups: list[Group] = []
+
+    def add(self, group: Group) -> None:
+        self.groups.append(group)
+
+    def release(self) -> None:
+        # abort: a retired group's peers may be gone (that is often why it was retired)
+        while self.groups:
+            self.groups.pop().close(ok=False)
+
+
+def make_pg(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    backend: str,
+    device: torch.device,
+    timeout: datetime.timedelta,
+) -> dist.ProcessGroupGloo | dist.ProcessGroupNCCL:
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        if device.type != "cuda":
+            raise WeightSyncError(f"backend nccl needs a CUDA device, got {device}")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        # NCCL connects lazily; connect now so the rendezvous phase is where it fails.
+        pg.eager_connect_single_device(device)
+        return pg
+    raise WeightSyncError(f"unknown weight-sync backend {backend!r}: use gloo or nccl")
+
+
+class Buffers:
+    """Flat bucket buffers of `bucket_bytes`, kept per dtype (two at most: one in flight,
+    one filling) and reused across buckets and versions: fresh ones would cost a page fault
+    per 4 KiB on every publish. A bucket bigger than that (one big tensor) gets a tensor of
+    its own, never kept. Every buffer made here stays referenced until dropped from
+    `owned`, so no foreign tensor can ever share an address with one and be taken in."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self.owned: dict[int, torch.Tensor] = {}  # data_ptr -> buffer
+
+    def take(self, dtype: str, numel: int, bucket_bytes: int) -> torch.Tensor:
+        torch_dtype = DTYPES[dtype]
+        capacity = bucket_bytes // torch.empty((), dtype=torch_dtype).element_size()
+        if numel > capacity:
+            return torch.empty(numel, dtype=torch_dtype, device=self.device)
+        free = self.free.setdefault((torch_dtype, capacity), [])
+        if free:
+            return free.pop()[:numel]
+        buffer = torch.empty(capacity, dtype=torch_dtype, device=self.device)
+        self.owned[buffer.data_ptr()] = buffer
+        return buffer[:numel]
+
+    def give(self, view: torch.Tensor, bucket_bytes: int) -> None:
+        buffer = self.owned.get(view.data_ptr())
+        if buffer is None:
+            return
+        free = self.free.setdefault((buffer.dtype, bucket_bytes // buffer.element_size()), [])
+        if len(free) < 2:
+            free.append(buffer)
+        else:
+            del self.owned[buffer.data_ptr()]
+
+    def reset(self) -> None:
+        """After a failure: forget every buffer (some may still be under an aborted op)."""
+        self.free.clear()
+        self.owned.clear()
+
+
+class Pipeline:
+    """Broadcasts in flight, oldest first: at most one waits while the next bucket is filled
+    (sender) or loaded (receiver), so copying overlaps the transfer."""
+
+    def __init__(self, group: Group, on_done: Callable[[torch.Tensor], None]) -> None:
+        self.group = group
+        self.on_done = on_done
+        self.inflight: collections.deque[tuple[Any, str, torch.Tensor]] = collections.deque()
+
+    def push(self, tensor: torch.Tensor, what: str) -> None:
+        self.inflight.append((self.group.start(tensor, what), what, tensor))
+
+    def pop(self) -> torch.Tensor:
+        work, what, tensor = self.inflight.popleft()
+        self.group.finish(work, what)
+        self.on_done(tensor)
+        return tensor
+
+    def drain(self, keep: int = 0) -> None:
+        while len(self.inflight) > keep:
+            self.pop()
+
+
+def listen(host: str) -> tuple[int, int]:
+    """A listening TCP socket on `host` only (free port): (port, fd handed to torch)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(512)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return port, sock.detach()
+
+
+def advertised_host(host: str, broker_address: str) -> str:
+    """The address actors reach this learner's weight store at. "auto": the local address
+    of the interface that routes to the broker (actors reach the broker, and on a cluster
+    the learner's address on that network is what they can reach too)."""
+    if host != "auto":
+        return host
+    target = broker_address.split("//")[-1].rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
+    if target in ("*", "0.0.0.0", "localhost"):
+        target = "127.0.0.1"
+    family = socket.AF_INET6 if ":" in target else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((target, 9))  # UDP connect sends nothing; it only picks a route
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise OSError(
+            f"weights.host=auto could not find a route to the broker host {target!r} ({exc}); "
+            "set weights.host to this learner's address that actors can reach"
+        ) from None
+
+
+def store_client(address: str, group_name: str, where: Where) -> tuple[dist.Store, str]:
+    """An actor's connection to learner rank 0's store at `address` ("host:port"),
+    namespaced by the group's name, and the backend rank 0 set there before the rendezvous."""
+    with where.phase("connecting to the weight store"):
+        host, port = address.rsplit(":", 1)
+        client = dist.TCPStore(
+            host, int(port), is_master=False, timeout=where.timeout, wait_for_workers=False
+        )
+        store = dist.PrefixStore(group_name, client)
+        backend = store.get("backend").decode()
+    return store, backend

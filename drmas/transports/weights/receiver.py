@@ -1,0 +1,164 @@
+"""Actors load: an actor joins the weight group a JoinWeightGroup from the broker names
+(learner rank 0's store address, group name, its rank) and receives one version, bucket by
+bucket, into the engine's model.
+
+It receives the next bucket while `load` copies the current one, keeping at most two
+reusable bucket buffers per dtype. It takes at most MAX_HEADER_BYTES of header and
+MAX_BUCKET_BYTES per bucket from rank 0. The group is kept for the model's next version
+while the broker names the same group, store and rank; otherwise the old one is retired.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from drmas.config.transport import WeightSyncConfig
+from drmas.protocol.messages import JoinWeightGroup
+from drmas.transports.weights.group import (
+    Buffers,
+    Group,
+    Pipeline,
+    Retired,
+    Where,
+    resolve_backend,
+    store_client,
+)
+from drmas.transports.weights.layout import (
+    MAX_HEADER_BYTES,
+    Bucket,
+    Header,
+    NamedTensors,
+    WeightSyncError,
+    decode_header,
+    plan_buckets,
+)
+
+
+@dataclass
+class ReceiveStats:
+    seconds: float
+    bytes: int
+    buckets: int
+    tensors: int
+
+
+class WeightReceiver:
+    """Actor side: joins the group a JoinWeightGroup names and receives one version."""
+
+    def __init__(
+        self, cfg: WeightSyncConfig | None = None, device: torch.device | str = "cpu"
+    ) -> None:
+        self.cfg = cfg or WeightSyncConfig()
+        self.device = torch.device(device)
+        self.backend = resolve_backend(self.cfg, self.device)
+        self._retired = Retired()
+        self._buffers = Buffers(self.device)
+        # model -> ((group name, store address, rank, world size), group) kept for the next
+        self._live: dict[str, tuple[tuple[str, str, int, int], Group]] = {}
+
+    def release(self) -> None:
+        """Tear down retired groups (~20 ms each, holding the GIL); call it once generation
+        has resumed. The next receive calls it too."""
+        self._retired.release()
+
+    def close(self) -> None:
+        """The actor stops: the groups kept for the next versions are torn down too."""
+        for _, group in self._live.values():
+            self._retired.add(group)
+        self._live.clear()
+        self._retired.release()
+
+    def kept(self, model: str) -> str:
+        """Name of the group kept for `model` ("" when none)."""
+        live = self._live.get(model)
+        return live[0][0] if live else ""
+
+    def _group(self, join: JoinWeightGroup, where: Where) -> Group:
+        """The group kept from the previous version of this model when the join names the
+        same group, store and rank; else a new one (the kept one is retired)."""
+        key = (join.group_name, join.store_address, join.rank, join.world_size)
+        live = self._live.pop(join.model, None)
+        if live is not None and live[0] == key:
+            live[1].where = where
+            return live[1]
+        if live is not None:
+            self._retired.add(live[1])
+            self._retired.release()
+        store, backend = store_client(join.store_address, join.group_name, where)
+        if backend != self.backend:
+            raise WeightSyncError(
+                f"weight group {join.group_name!r}: learner broadcasts over {backend}, this "
+                f"actor resolved {self.backend} (device {self.device}); set weights.backend"
+            )
+        return Group(where, store, backend, self.device)
+
+    def receive_into(
+        self, join: JoinWeightGroup, load: Callable[[NamedTensors], None]
+    ) -> ReceiveStats:
+        """Receive every bucket and call `load` once per bucket with (HF name, tensor) views
+        into it. The views are only valid during that call (the buffer is reused for a later
+        bucket): `load` copies them into the model, as Engine.load_weights does."""
+        start = time.monotonic()
+        nbytes = buckets = tensors = 0
+        for batch in self._buckets(join):
+            load(batch)
+            buckets += 1
+            tensors += len(batch)
+            nbytes += sum(t.numel() * t.element_size() for _, t in batch)
+        return ReceiveStats(time.monotonic() - start, nbytes, buckets, tensors)
+
+    def receive(self, join: JoinWeightGroup) -> Iterator[tuple[str, torch.Tensor]]:
+        """Same as receive_into, as a flat generator; consume it fully (or close it). A tensor
+        is valid until the generator moves past the end of its bucket."""
+        for batch in self._buckets(join):
+            yield from batch
+
+    def _buckets(self, join: JoinWeightGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        self.release()
+        peer = f"learner rank 0 of {join.model} at {join.store_address}"
+        where = Where(join.group_name, join.rank, join.world_size, join.timeout_s, peer)
+        group = self._group(join, where)
+        try:
+            header = self._header(group)
+            plan = plan_buckets(header.tensors, header.bucket_bytes)
+            pipeline = Pipeline(group, lambda t: None)
+            if plan:
+                self._post(pipeline, plan, 0, header)
+            for b, bucket in enumerate(plan):
+                if b + 1 < len(plan):
+                    self._post(pipeline, plan, b + 1, header)  # arrives while b is loaded
+                flat = pipeline.pop()
+                yield [
+                    (header.tensors[i].name, flat[off : off + n].view(header.tensors[i].shape))
+                    for i, off, n in bucket.members
+                ]
+                self._buffers.give(flat, header.bucket_bytes)
+        except BaseException:  # includes GeneratorExit: the caller stopped early
+            group.close(ok=False)
+            self._buffers.reset()
+            raise
+        self._live[join.model] = (
+            (join.group_name, join.store_address, join.rank, join.world_size),
+            group,
+        )
+
+    def _post(self, pipeline: Pipeline, plan: list[Bucket], b: int, header: Header) -> None:
+        buffer = self._buffers.take(plan[b].dtype, plan[b].numel, header.bucket_bytes)
+        pipeline.push(buffer, f"bucket {b} of {len(plan)}")
+
+    def _header(self, group: Group) -> Header:
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        group.broadcast(length, "header length")
+        size = int(length.item())
+        if not (0 < size <= MAX_HEADER_BYTES):
+            raise WeightSyncError(
+                f"weight group {group.where.group!r}: rank 0 announces a header of {size} "
+                f"bytes (at most {MAX_HEADER_BYTES}); not allocating it"
+            )
+        payload = torch.empty(size, dtype=torch.uint8, device=self.device)
+        group.broadcast(payload, "header")
+        return decode_header(payload.cpu().numpy().tobytes(), group.where.group)

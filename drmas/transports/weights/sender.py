@@ -1,0 +1,198 @@
+"""Learner rank 0 publishes: it hosts the run's weight store and broadcasts each new
+version to the actors of the broker's WeightGroupPlan (ranks 1..n of the weight group).
+
+Rank 0 streams: it pulls one gathered tensor at a time, copies it into the open bucket of
+its dtype and starts broadcasting a bucket as soon as its last member is in, filling the
+next one while it travels. Memory beyond the model: at most two reusable bucket buffers
+per dtype; a tensor larger than a bucket travels alone, without a copy.
+
+The group of a publish is kept for the next one while its name stays the same (the broker
+names a group after its membership); a new name retires the old group, and a failed
+publish aborts its group at once, so the next one forms a fresh group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from drmas.config.transport import WeightSyncConfig
+from drmas.transports.weights.group import (
+    Buffers,
+    Group,
+    Pipeline,
+    Retired,
+    Where,
+    advertised_host,
+    listen,
+    resolve_backend,
+)
+from drmas.transports.weights.layout import (
+    Bucket,
+    Header,
+    NamedTensors,
+    TensorSpec,
+    WeightSyncError,
+    encode_header,
+    plan_buckets,
+    spec_of,
+)
+
+log = logging.getLogger("drmas.weights")
+
+
+@dataclass
+class PublishStats:
+    seconds: float
+    bytes: int
+    buckets: int
+    reused: bool = False
+    """Sent over the group of the previous publish (same members): no rendezvous."""
+
+
+class WeightSender:
+    """Learner rank 0: hosts the run's weight store and broadcasts each new version."""
+
+    def __init__(
+        self, cfg: WeightSyncConfig, device: torch.device | str = "cpu", broker_address: str = ""
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.backend = resolve_backend(cfg, self.device)
+        self.host = advertised_host(cfg.host, broker_address)
+        # The store lives for the whole run; each publish namespaces it by group name.
+        port, fd = listen(self.host)
+        self.store = dist.TCPStore(
+            self.host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            master_listen_fd=fd,  # torch owns (and closes) the socket from here
+        )
+        self._retired = Retired()
+        self._buffers = Buffers(self.device)
+        self._live: tuple[str, Group] | None = None  # (group name, group) kept for the next
+
+    @property
+    def store_address(self) -> str:
+        return f"{self.host}:{self.store.port}"
+
+    def release(self) -> None:
+        """Tear down retired groups (~20 ms each, holding the GIL); call it when a stall does
+        not matter (the learner does after PublishDone). The next publish calls it too."""
+        self._retired.release()
+
+    def close(self) -> None:
+        """The end of the run: the group kept for the next publish is torn down too."""
+        if self._live is not None:
+            self._retired.add(self._live[1])
+            self._live = None
+        self._retired.release()
+
+    def _group(self, name: str, where: Where) -> tuple[Group, bool]:
+        """The group kept from the previous publish when `name` is its name; else a new one
+        (the kept one is retired)."""
+        if self._live is not None and self._live[0] == name:
+            group = self._live[1]
+            if group.where.world_size == where.world_size:
+                group.where = where
+                return group, True
+        if self._live is not None:
+            self._retired.add(self._live[1])
+            self._live = None
+            self._retired.release()  # before the new rendezvous: at most one group at a time
+        store = dist.PrefixStore(name, self.store)
+        store.set("backend", self.backend)
+        return Group(where, store, self.backend, self.device), False
+
+    def publish(
+        self,
+        group_name: str,
+        world_size: int,
+        named_tensors: NamedTensors,
+        timeout_s: float,
+        *,
+        specs: Sequence[TensorSpec] | None = None,
+        peers: Sequence[str] = (),
+    ) -> PublishStats:
+        """Broadcast `named_tensors` to ranks 1..world_size-1 of group `group_name`: the
+        group of the previous publish when the name is the same, else a new one.
+
+        `specs` (name, shape, dtype of every tensor, in order) lets the header go out before
+        the first tensor is gathered; without it the tensors are materialised first.
+        Raises WeightSyncTimeout/WeightSyncError and aborts the group; a group that went
+        through is kept for the next publish.
+        """
+        self.release()
+        start = time.monotonic()
+        if specs is None:
+            materialised = list(named_tensors)
+            specs = [spec_of(n, t) for n, t in materialised]
+            named_tensors = materialised
+        header = Header(int(self.cfg.bucket_mb * 2**20), list(specs))
+        buckets = plan_buckets(header.tensors, header.bucket_bytes)
+        who = ", ".join(peers) if peers else f"ranks 1..{world_size - 1}"
+        group, reused = self._group(group_name, Where(group_name, 0, world_size, timeout_s, who))
+        try:
+            length, payload = encode_header(header, self.device)
+            group.broadcast(length, "header length")
+            group.broadcast(payload, "header")
+            sent = self._stream(group, header, buckets, named_tensors)
+        except BaseException:
+            group.close(ok=False)
+            self._live = None
+            self._buffers.reset()
+            raise
+        self._live = (group_name, group)
+        stats = PublishStats(time.monotonic() - start, sent, len(buckets), reused)
+        log.info(
+            "published %s: %.1f MB in %d buckets to %s in %.2fs (%s group)",
+            group_name, sent / 1e6, stats.buckets, who, stats.seconds,
+            "kept" if reused else "new",
+        )  # fmt: skip
+        return stats
+
+    def _stream(
+        self,
+        group: Group,
+        header: Header,
+        buckets: Sequence[Bucket],
+        named_tensors: NamedTensors,
+    ) -> int:
+        """Copy tensors into their buckets as they arrive; send each bucket once complete."""
+        specs = header.tensors
+        where = {i: (b, off) for b, bucket in enumerate(buckets) for i, off, _ in bucket.members}
+        pipeline = Pipeline(group, lambda t: self._buffers.give(t, header.bucket_bytes))
+        filling: dict[int, torch.Tensor] = {}
+        next_bucket, sent, count = 0, 0, 0
+        for i, (name, tensor) in enumerate(named_tensors):
+            if i >= len(specs) or spec_of(name, tensor) != specs[i]:
+                got = spec_of(name, tensor)
+                raise WeightSyncError(f"tensor {i} is {got}, header said {specs[i : i + 1]}")
+            b, offset = where[i]
+            bucket = buckets[b]
+            flat = tensor.detach().reshape(-1).to(self.device)
+            if len(bucket.members) == 1:
+                filling[b] = flat.contiguous()  # one tensor: send it as is, no copy
+            else:
+                if b not in filling:
+                    filling[b] = self._buffers.take(bucket.dtype, bucket.numel, header.bucket_bytes)
+                filling[b][offset : offset + flat.numel()].copy_(flat)
+            count += 1
+            while next_bucket < len(buckets) and buckets[next_bucket].last < count:
+                data = filling.pop(next_bucket)
+                pipeline.push(data, f"bucket {next_bucket} of {len(buckets)}")
+                pipeline.drain(keep=1)
+                sent += data.numel() * data.element_size()
+                next_bucket += 1
+        pipeline.drain()
+        if count != len(specs):
+            raise WeightSyncError(f"got {count} tensors, header announced {len(specs)}")
+        return sent
