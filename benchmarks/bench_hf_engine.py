@@ -32,7 +32,8 @@ from drmas.actors.engines.base import GenerateRequest
 from drmas.actors.engines.hf import HFEngine
 from drmas.config.actor import EngineConfig
 from drmas.config.model import WarmStartConfig
-from drmas.models.builtin import ARITHMETIC, resolve_model_path, transcript
+from drmas.models.builtin import resolve_model_path
+from drmas.teams.math.transcripts import ARITHMETIC, transcript
 
 
 def prompts(batch: int) -> list[str]:

@@ -40,8 +40,9 @@ from drmas.actors.engines.vllm import VLLMEngine
 from drmas.config.actor import EngineConfig
 from drmas.config.model import WarmStartConfig
 from drmas.config.transport import WeightSyncConfig
-from drmas.models.builtin import ARITHMETIC, resolve_model_path, transcript
+from drmas.models.builtin import resolve_model_path
 from drmas.protocol.messages import JoinWeightGroup
+from drmas.teams.math.transcripts import ARITHMETIC, transcript
 from drmas.transports.weights import WeightSender
 
 EAGER = {"enforce_eager": True}  # no torch.compile warm-up: the same on both sides

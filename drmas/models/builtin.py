@@ -20,18 +20,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from drmas.cache import default_cache_dir
+from drmas.cache import build_folder, default_cache_dir
 from drmas.config.model import WarmStartConfig
-from drmas.filelock import file_lock
 from drmas.models.hub import looks_like_hub_id, resolve_hub_id
 from drmas.models.vocab import (
     ALPHABET,
@@ -41,21 +37,7 @@ from drmas.models.vocab import (
     save_tokenizer,
     word_tokenizer,
 )
-from drmas.models.warmstart import (  # noqa: F401
-    TranscriptSource,
-    response_loss,
-    transcript_batch,
-    warm_start,
-)
-
-# Re-exported: tests and benchmarks import the math warm start's pieces from here.
-from drmas.teams.math.transcripts import (  # noqa: F401
-    ARITHMETIC,
-    ArithmeticSpec,
-    arithmetic_question,
-    solver_accuracy,
-    transcript,
-)
+from drmas.models.warmstart import TranscriptSource, warm_start
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -157,29 +139,17 @@ def cache_key(name: str, warmstart: WarmStartConfig) -> str:
 
 
 def _build_cached(name: str, root: Path, warmstart: WarmStartConfig) -> Path:
-    """Build once per key. A folder under its final name is always complete: it is written
-    under a temporary name and renamed; the lock keeps concurrent callers from building
-    twice (the second one waits, then finds the folder)."""
+    """Build once per key (drmas/cache.py: a folder under its final name is always
+    complete, concurrent callers wait for the first one's build, then find the folder)."""
     final = root / cache_key(name, warmstart)
-    if (final / "config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with file_lock(root / f"{final.name}.lock"):
-        if (final / "config.json").is_file():
-            return final
-        # Holding the lock, any temporary folder of this key is a killed builder's leftover.
-        for stale in root.glob(f".{final.name}.*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
-        try:
-            start = time.perf_counter()
-            log.info("building builtin:%s in %s", name, final)
-            BUILTINS[name](tmp, warmstart)
-            os.rename(tmp, final)
-            log.info("built builtin:%s in %.1f s", name, time.perf_counter() - start)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+
+    def build(tmp: Path) -> None:
+        start = time.perf_counter()
+        log.info("building builtin:%s in %s", name, final)
+        BUILTINS[name](tmp, warmstart)
+        log.info("built builtin:%s in %.1f s", name, time.perf_counter() - start)
+
+    build_folder(final, build, lambda folder: (folder / "config.json").is_file())
     return final
 
 

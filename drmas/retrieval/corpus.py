@@ -11,16 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from drmas.filelock import file_lock
+from drmas.cache import build_folder
 
 log = logging.getLogger("drmas.retrieval")
 
@@ -109,37 +106,19 @@ def cached_build(folder: Path, key: dict[str, Any], build: Callable[[Path], None
     """Make `folder` hold an index whose meta.json equals `key`; True if this call built it.
 
     `build(tmp)` writes the index files into an empty temporary folder; meta.json is
-    written last and the folder renamed into place, so a folder under its final name with
-    a matching meta.json is always complete. Concurrent builders (several actors starting
-    at once) serialise on a lock file: the second one waits, then finds the index. A stale
-    index (another corpus fingerprint or library version) is replaced; a process still
-    reading the stale one was serving an outdated corpus anyway.
+    written last (drmas/cache.py renames the folder into place, so a folder under its
+    final name with a matching meta.json is always complete, and concurrent builders,
+    several actors starting at once, build it once). A stale index (another corpus
+    fingerprint or library version) is replaced.
     """
-    if _read_meta(folder) == key:
-        return False
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(folder.parent / f"{folder.name}.lock"):
-        if _read_meta(folder) == key:
-            return False
-        # Holding the lock, any temporary folder of this index is a killed builder's leftover.
-        for stale in folder.parent.glob(f".{folder.name}.*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
-        try:
-            start = time.perf_counter()
-            build(tmp)
-            (tmp / "meta.json").write_text(json.dumps(key, indent=1, sort_keys=True))
-            if folder.exists():
-                old = tmp.with_suffix(".old")
-                os.rename(folder, old)
-                shutil.rmtree(old, ignore_errors=True)
-            os.rename(tmp, folder)
-            log.info("built %s in %.1f s", folder, time.perf_counter() - start)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return True
+
+    def build_index(tmp: Path) -> None:
+        start = time.perf_counter()
+        build(tmp)
+        (tmp / "meta.json").write_text(json.dumps(key, indent=1, sort_keys=True))
+        log.info("built %s in %.1f s", folder, time.perf_counter() - start)
+
+    return build_folder(folder, build_index, lambda path: _read_meta(path) == key)
 
 
 def _read_meta(folder: Path) -> dict[str, Any] | None:

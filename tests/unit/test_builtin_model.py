@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from drmas.config.model import WarmStartConfig
-from drmas.models import builtin
+from drmas.models import builtin, warmstart
 from drmas.teams.math import prompts as mp
+from drmas.teams.math import transcripts as mt
 
 torch.set_num_threads(1)
 
@@ -90,6 +91,13 @@ def test_cache_reuses_the_folder_without_rebuilding(
     again = builtin.resolve_model_path("builtin:tiny-qwen2", str(folder.parent), TINY)
     assert again == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_built_folder_is_readable_like_an_ordinary_folder(folder: Path) -> None:
+    """Shared caches: 0755 folders and 0644 files, like the corpus and index caches."""
+    assert folder.stat().st_mode & 0o7777 == 0o755
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    assert files and {p.stat().st_mode & 0o7777 for p in files} == {0o644}
 
 
 def test_cache_key_covers_what_changes_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,13 +190,13 @@ def test_resolve_plain_folders_and_errors(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_transcripts_use_the_workflow_prompt_format() -> None:
     rng = random.Random(3)
-    spec = builtin.ARITHMETIC
+    spec = mt.ARITHMETIC
     solver, verifier = mp.TINY_INSTRUCTIONS[mp.SOLVER], mp.TINY_INSTRUCTIONS[mp.VERIFIER]
     question_re = r"(\d+)([+-])(\d+)"
     verdicts = []
     for kind in range(3):
         for _ in range(400):
-            prompt, response = builtin.transcript(rng, spec, kind)
+            prompt, response = mt.transcript(rng, spec, kind)
             q = re.search(rf"Question: {question_re}\n", prompt)
             assert q is not None
             a, op, b = int(q.group(1)), q.group(2), int(q.group(3))
@@ -230,8 +238,8 @@ def test_loss_covers_only_response_and_eos_and_prefix_sharing_is_exact(folder: P
     model = AutoModelForCausalLM.from_pretrained(folder)
     rng = random.Random(0)
     for kind in range(3):
-        pairs = [builtin.transcript(rng, builtin.ARITHMETIC, kind) for _ in range(5)]
-        prefix, ids, labels = builtin.transcript_batch(tokenizer, pairs)
+        pairs = [mt.transcript(rng, mt.ARITHMETIC, kind) for _ in range(5)]
+        prefix, ids, labels = warmstart.transcript_batch(tokenizer, pairs)
         assert tokenizer.decode(prefix).endswith("Question: ")
         for (_, response), row in zip(pairs, labels):
             target = row[row != -100].tolist()
@@ -247,7 +255,7 @@ def test_loss_covers_only_response_and_eos_and_prefix_sharing_is_exact(folder: P
             logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1]
             total += F.cross_entropy(logits, torch.tensor(r), reduction="sum").item()
             count += len(r)
-        loss = builtin.response_loss(model, prefix, ids, labels)
+        loss = warmstart.response_loss(model, prefix, ids, labels)
         assert loss.item() == pytest.approx(total / count, abs=1e-5)
 
 
@@ -257,10 +265,8 @@ def test_solver_accuracy_grades_boxed_answers(folder: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder)
     rng = random.Random(1)
-    questions = [builtin.arithmetic_question(rng, builtin.ARITHMETIC) for _ in range(4)]
-    accuracy = builtin.solver_accuracy(
-        model, tokenizer, questions, temperature=1.0, max_new_tokens=4
-    )
+    questions = [mt.arithmetic_question(rng, mt.ARITHMETIC) for _ in range(4)]
+    accuracy = mt.solver_accuracy(model, tokenizer, questions, temperature=1.0, max_new_tokens=4)
     assert 0.0 <= accuracy <= 1.0
 
 
@@ -277,7 +283,7 @@ def test_warm_start_never_shows_a_validation_question() -> None:
     seen = set()
     for kind in range(3):
         for _ in range(3000):
-            prompt, _ = builtin.transcript(rng, builtin.ARITHMETIC, kind)
+            prompt, _ = mt.transcript(rng, mt.ARITHMETIC, kind)
             q = re.search(r"Question: (\d+[+-]\d+)\n", prompt)
             assert q is not None
             seen.add(q.group(1))
