@@ -159,8 +159,9 @@ def _learner(args: argparse.Namespace, cfg: DrmasConfig) -> int:
 
 def _retriever(args: argparse.Namespace, cfg: DrmasConfig) -> int:
     from drmas.retrieval.server import run_retriever
+    from drmas.teams.resolve import team_class
 
-    return run_retriever(cfg)
+    return run_retriever(cfg, team_class(cfg.workflow).prepare)  # the team's corpus
 
 
 ROLES: tuple[Command, ...] = (

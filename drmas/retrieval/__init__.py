@@ -1,5 +1,7 @@
 """Retrieval for the search team: a Search Agent's `<search>query</search>` becomes the top-k
-passages appended to the team context.
+passages appended to the team context. Retrieval indexes the corpus it is given (a JSONL
+path: retriever.corpus_path, or the one a team supplies); which corpus a task comes with
+is the team's business (drmas/teams/search/kb.py).
 
     corpus.py    Passage, load_corpus (JSONL), corpus_fingerprint, the index cache
     bm25.py      BM25Retriever: bm25s over a local corpus
@@ -16,16 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from drmas.config.retrieval import RETRIEVERS, RetrieverConfig
+from drmas.config.retrieval import RetrieverConfig
 from drmas.retrieval.corpus import CorpusError, Passage, corpus_fingerprint, load_corpus
 
-if TYPE_CHECKING:
-    from drmas.config.task import TaskConfig
-
 __all__ = [
-    "RETRIEVERS",
     "CorpusError",
     "Passage",
     "Retriever",
@@ -89,33 +87,33 @@ def _need_corpus(cfg: RetrieverConfig, corpus: Path | None) -> Path:
     if corpus is None:
         raise ValueError(
             f"retriever.name={cfg.name} needs a corpus: set retriever.corpus_path "
-            "(a JSONL of id, title, text) or use task.name=kb"
+            "(a JSONL of id, title, text per line)"
         )
     return corpus
 
 
 def resolve_corpus_path(
-    retriever_cfg: RetrieverConfig, task_cfg: TaskConfig, cache_dir: str | None
+    cfg: RetrieverConfig, team_corpus: Callable[[], Path | None] | None = None
 ) -> Path | None:
     """The corpus the retriever indexes: None for http (the server has its own), else
-    retriever.corpus_path, else the kb task's generated corpus (written once into the
-    cache, `cache_dir` or $DRMAS_CACHE or ~/.cache/drmas, like builtin models)."""
-    if retriever_cfg.name == "http":
+    retriever.corpus_path (which must be a file), else the one the team supplies:
+    `team_corpus()` is called only then, since it may generate one (the search team's
+    knowledge base, drmas/teams/search/kb.py:search_corpus)."""
+    if cfg.name == "http":
         return None
-    if retriever_cfg.corpus_path:
-        path = Path(retriever_cfg.corpus_path).expanduser()
+    if cfg.corpus_path:
+        path = Path(cfg.corpus_path).expanduser()
         if not path.is_file():
             raise FileNotFoundError(
                 f"retriever.corpus_path {str(path)!r} is not a file; set retriever.corpus_path "
                 "to a JSONL corpus (id, title, text per line)"
             )
         return path
-    if task_cfg.name == "kb":
-        from drmas.teams.search import kb  # None -> default_cache_dir(), as for builtin models
-
-        spec = kb.KBSpec(num_people=task_cfg.kb_num_people, seed=task_cfg.seed)
-        return Path(kb.ensure_corpus(spec, cache_dir or None))
-    raise ValueError(
-        f"retriever.name={retriever_cfg.name} with task.name={task_cfg.name} has no corpus: "
-        "set retriever.corpus_path (a JSONL of id, title, text per line)"
-    )
+    supplied = team_corpus() if team_corpus is not None else None
+    if supplied is None:
+        raise ValueError(
+            f"retriever.name={cfg.name} has no corpus: set retriever.corpus_path (a JSONL of "
+            "id, title, text per line), or use a team that supplies one (the search team "
+            "generates its knowledge base's for task.name=kb)"
+        )
+    return Path(supplied)

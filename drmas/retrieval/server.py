@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +77,7 @@ def check_bind(host: str, allow_remote: bool) -> None:
     log.warning("retriever bound to %s without authentication (retriever.allow_remote=true)", host)
 
 
-class _BoundedServer(ThreadingHTTPServer):
+class BoundedServer(ThreadingHTTPServer):
     """ThreadingHTTPServer with a cap on connections served at once."""
 
     daemon_threads = True
@@ -86,6 +87,18 @@ class _BoundedServer(ThreadingHTTPServer):
         self.slots = threading.BoundedSemaphore(max_connections)
         self.refusing = threading.BoundedSemaphore(REFUSERS)
         self.refused = 0
+        self._serving = 0
+        self._count = threading.Lock()
+
+    @property
+    def serving(self) -> int:
+        """Connections holding a slot now (at most max_connections)."""
+        with self._count:
+            return self._serving
+
+    def _served(self, change: int) -> None:
+        with self._count:
+            self._serving += change
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
@@ -95,6 +108,7 @@ class _BoundedServer(ThreadingHTTPServer):
             else:  # a flood: beyond REFUSERS at once, closed without an answer
                 self.shutdown_request(request)
             return
+        self._served(+1)
         super().process_request(request, client_address)
 
     def _refuse(self, request: Any) -> None:
@@ -125,6 +139,7 @@ class _BoundedServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self._served(-1)
             self.slots.release()
 
 
@@ -134,7 +149,7 @@ class BadRequest(ValueError):
 
 def make_server(
     retriever: Retriever, host: str, port: int, top_k_default: int, limits: Limits | None = None
-) -> ThreadingHTTPServer:
+) -> BoundedServer:
     """A bound server (port 0 = any free port: read it from `server.server_address`);
     call `serve_forever()` to answer."""
     lock = threading.Lock()
@@ -189,7 +204,7 @@ def make_server(
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s " + format, self.address_string(), *args)
 
-    return _BoundedServer((host, port), Handler, caps.max_connections)
+    return BoundedServer((host, port), Handler, caps.max_connections)
 
 
 def _parse(body: bytes, top_k_default: int, limits: Limits) -> tuple[list[str], int, bool]:
@@ -255,8 +270,15 @@ def serve(
     log.info("retriever at %s stopped", url)
 
 
-def run_retriever(cfg: DrmasConfig) -> int:
-    """The `drmas retriever` role: resolve the corpus, build (or load) the index, serve."""
+def run_retriever(
+    cfg: DrmasConfig, prepare: Callable[[DrmasConfig], DrmasConfig] | None = None
+) -> int:
+    """The `drmas retriever` role: the corpus, build (or load) the index, serve.
+
+    `prepare` is the team's (what `drmas train` runs before it starts a process): the
+    corpus is retriever.corpus_path in the config it returns, so a team that brings its
+    own corpus (the search team for task.name=kb) sets it there; its errors are reported
+    like the retriever's own."""
     from drmas.retrieval import build_retriever, resolve_corpus_path
     from drmas.transports.security import SecurityError
 
@@ -274,7 +296,8 @@ def run_retriever(cfg: DrmasConfig) -> int:
         )
         return 2
     try:
-        corpus = resolve_corpus_path(rc, cfg.task, cfg.run.cache_dir or None)
+        prepared = prepare(cfg) if prepare is not None else cfg
+        corpus = resolve_corpus_path(prepared.retriever)
         retriever = build_retriever(rc, corpus)
     except (FileNotFoundError, ValueError, ImportError) as exc:  # CorpusError is a ValueError
         print(f"drmas retriever: {exc}", file=sys.stderr)

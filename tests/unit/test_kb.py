@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from drmas.config.retrieval import RetrieverConfig
+from drmas.config.task import TaskConfig
+from drmas.retrieval import load_corpus
 from drmas.teams.search import kb
 from drmas.teams.search.kb import KBSpec
 
@@ -153,7 +156,28 @@ def test_ensure_corpus_writes_once(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert len(calls) == 1 and len(set(results)) == 1
     path = results[0]
     assert path.parent.parent == tmp_path / "kb" and path.name == "corpus.jsonl"
+    assert calls[0].parent != path.parent  # written under a temporary name
+    # readable like an ordinary folder, as the other cache folders (drmas/cache.py)
+    assert (path.parent.stat().st_mode & 0o7777, path.stat().st_mode & 0o7777) == (0o755, 0o644)
     assert len(path.read_text().splitlines()) == 630
     assert kb.ensure_corpus(KBSpec(num_people=300, seed=8), tmp_path) != path
     monkeypatch.setenv("DRMAS_CACHE", str(tmp_path / "env"))
     assert kb.ensure_corpus(SPEC, None).is_relative_to(tmp_path / "env")
+
+
+def test_search_corpus_is_the_given_one_else_the_kb_corpus(tmp_path: Path) -> None:
+    """The search team supplies its corpus to retrieval: retriever.corpus_path when set,
+    else for task.name=kb the knowledge base's, written once into the cache."""
+    kb_task = TaskConfig(name="kb", kb_num_people=20, seed=1)
+    path = kb.search_corpus(RetrieverConfig(), kb_task, str(tmp_path))
+    assert path == kb.ensure_corpus(KBSpec(num_people=20, seed=1), tmp_path)
+    assert path.is_relative_to(tmp_path)
+    assert len(load_corpus(path)) == len(kb.build(KBSpec(num_people=20, seed=1)).passages)
+    assert kb.search_corpus(RetrieverConfig(), kb_task, str(tmp_path)) == path
+
+    given = tmp_path / "given.jsonl"
+    given.write_text(json.dumps({"id": "1", "title": "t", "text": "x"}) + "\n")
+    assert kb.search_corpus(RetrieverConfig(corpus_path=str(given)), kb_task, None) == given
+    assert kb.search_corpus(RetrieverConfig(name="http"), kb_task, None) is None
+    with pytest.raises(ValueError, match=r"set retriever.corpus_path"):
+        kb.search_corpus(RetrieverConfig(), TaskConfig(), str(tmp_path))  # no kb: no corpus

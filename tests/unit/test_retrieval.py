@@ -8,17 +8,14 @@ import contextlib
 import itertools
 import json
 import random
-import sys
 import threading
 import time
-import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from drmas.config.task import TaskConfig
 from drmas.retrieval import (
     CorpusError,
     Passage,
@@ -123,39 +120,31 @@ def test_build_retriever_names_the_key_to_set(tmp_path: Path) -> None:
     )
 
 
-def test_resolve_corpus_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    task = TaskConfig()
-    assert resolve_corpus_path(RetrieverConfig(name="http"), task, None) is None
+def test_resolve_corpus_path(tmp_path: Path) -> None:
+    assert resolve_corpus_path(RetrieverConfig(name="http")) is None
     with pytest.raises(FileNotFoundError, match=r"retriever.corpus_path"):
-        resolve_corpus_path(RetrieverConfig(corpus_path=str(tmp_path / "no.jsonl")), task, None)
+        resolve_corpus_path(RetrieverConfig(corpus_path=str(tmp_path / "no.jsonl")))
     with pytest.raises(ValueError, match=r"set retriever.corpus_path"):
-        resolve_corpus_path(RetrieverConfig(), task, None)
+        resolve_corpus_path(RetrieverConfig())
     given = write_corpus(tmp_path / "given.jsonl", n=3)
-    assert resolve_corpus_path(RetrieverConfig(corpus_path=str(given)), task, None) == given
+    assert resolve_corpus_path(RetrieverConfig(corpus_path=str(given))) == given
 
-    # task.name=kb: the kb module writes its corpus into the cache (a stand-in here).
-    calls = []
+    # The team's corpus: asked for only when retriever.corpus_path is empty (making it may
+    # mean generating it), and never for http.
+    supplied = write_corpus(tmp_path / "team.jsonl", n=3)
+    calls: list[str] = []
 
-    def ensure_corpus(spec: object, cache_dir: str | None) -> Path:
-        calls.append((spec, cache_dir))
-        return given
+    def team_corpus() -> Path:
+        calls.append("asked")
+        return supplied
 
-    fake = types.SimpleNamespace(KBSpec=lambda **kw: kw, ensure_corpus=ensure_corpus)
-    monkeypatch.setitem(sys.modules, "drmas.teams.search.kb", fake)
-    monkeypatch.setattr("drmas.teams.search.kb", fake, raising=False)
-    kb_task = TaskConfig(name="kb", kb_num_people=7, seed=3)
-    assert resolve_corpus_path(RetrieverConfig(), kb_task, "/c") == given
-    assert resolve_corpus_path(RetrieverConfig(), kb_task, None) == given
-    assert calls == [({"num_people": 7, "seed": 3}, "/c"), ({"num_people": 7, "seed": 3}, None)]
-
-
-def test_resolve_corpus_path_writes_the_kb_corpus_once(tmp_path: Path) -> None:
-    kb_task = TaskConfig(name="kb", kb_num_people=20, seed=1)
-    path = resolve_corpus_path(RetrieverConfig(), kb_task, str(tmp_path))
-    assert path is not None and path.is_relative_to(tmp_path)
-    passages = load_corpus(path)
-    assert len(passages) > 2 * 20  # two per person, one per city
-    assert resolve_corpus_path(RetrieverConfig(), kb_task, str(tmp_path)) == path
+    assert resolve_corpus_path(RetrieverConfig(corpus_path=str(given)), team_corpus) == given
+    assert resolve_corpus_path(RetrieverConfig(name="http"), team_corpus) is None
+    assert calls == []
+    assert resolve_corpus_path(RetrieverConfig(), team_corpus) == supplied
+    assert calls == ["asked"]
+    with pytest.raises(ValueError, match=r"set retriever.corpus_path"):
+        resolve_corpus_path(RetrieverConfig(), lambda: None)  # a team without one
 
 
 # ---------------------------------------------------------------------------------------
@@ -387,6 +376,14 @@ def test_server_round_trip_and_bad_requests(corpus: Path) -> None:
         server.server_close()
 
 
+def wait_until(condition: Callable[[], bool], failure: str, deadline_s: float = 30.0) -> None:
+    """Poll `condition` until it holds; fail with `failure` once `deadline_s` has passed."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.01)
+
+
 def test_server_caps_connections_and_times_out_stalled_clients(
     corpus: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -395,7 +392,7 @@ def test_server_caps_connections_and_times_out_stalled_clients(
     from drmas.retrieval import server as srv
     from drmas.retrieval.bm25 import BM25Retriever
 
-    monkeypatch.setattr(srv, "SOCKET_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(srv, "SOCKET_TIMEOUT_S", 2.0)  # the window for the 503
     server = srv.make_server(
         BM25Retriever(corpus), "127.0.0.1", 0, 2, srv.Limits(max_connections=4)
     )
@@ -405,11 +402,12 @@ def test_server_caps_connections_and_times_out_stalled_clients(
     try:
         for s in stalled:  # a POST that never sends its body: each holds a thread
             s.sendall(b"POST /retrieve HTTP/1.1\r\nContent-Length: 100\r\n\r\n")
-        time.sleep(0.3)
+        wait_until(lambda: server.serving == 4, "the server never took the stalled clients")
         status, answer = _post(f"http://127.0.0.1:{port}/retrieve", b'{"queries": ["a"]}')
         assert status == 503 and "too many" in answer["error"]
         assert threading.active_count() < 20  # no thread per stalled client beyond the cap
-        time.sleep(1.5)  # past the socket timeout: the stalled ones are dropped
+        # the socket timeout drops the stalled ones, which frees their slots
+        wait_until(lambda: server.serving == 0, "the stalled clients were never dropped")
         status, _ = _post(f"http://127.0.0.1:{port}/retrieve", b'{"queries": ["a"]}')
         assert status == 200
     finally:

@@ -230,8 +230,10 @@ def test_tiny_search_build_is_loadable_and_cached_apart_from_math(
 
 
 def test_unknown_workflow_is_rejected() -> None:
-    with pytest.raises(ValueError, match="math"):
-        WarmStartConfig(workflow="chess")
+    from drmas.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"warmstart.workflow='chess'.*'math'"):
+        load_config(["models.solver.warmstart.workflow=chess"])
 
 
 def test_copy_drill_repeats_real_passages_within_the_context() -> None:

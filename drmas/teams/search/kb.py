@@ -15,6 +15,9 @@ Everything is a pure function of the spec (no global random state); building 50 
 takes about a second. The names depend only on the sizes and the facts on the seed, so
 the search warm start can teach the tiny model the names it will copy on knowledge bases
 whose facts it redraws every batch, and never see the RL task's facts.
+
+The search team supplies this corpus to its retriever (`search_corpus`): retrieval takes a
+corpus path and knows nothing of the knowledge base.
 """
 
 from __future__ import annotations
@@ -30,14 +33,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from drmas.filelock import file_lock
+from drmas.cache import build_folder, default_cache_dir
 from drmas.protocol.messages import Task
 
 if TYPE_CHECKING:
+    from drmas.config.retrieval import RetrieverConfig
     from drmas.config.task import TaskConfig
 
 KB_VERSION = 2
 """Bump when the generator's output changes for the same spec (cached corpora are rebuilt)."""
+CORPUS_FILE = "corpus.jsonl"
+"""The corpus's name in its cache folder (`ensure_corpus`)."""
 
 CONSONANTS = "bdfghklmnprstvz"
 VOWELS = "aeiou"
@@ -257,21 +263,36 @@ def corpus_key(spec: KBSpec) -> str:
 
 
 def ensure_corpus(spec: KBSpec, cache_dir: str | Path | None) -> Path:
-    """`<cache>/kb/<key>/corpus.jsonl`, written once: concurrent callers wait on a file
-    lock and the file only ever appears complete (temporary name, then rename)."""
-    if cache_dir is None:
-        from drmas.cache import default_cache_dir
+    """`<cache>/kb/<key>/corpus.jsonl`, written once (drmas/cache.py: concurrent callers
+    wait for the first one's build, and the folder only ever appears complete). `cache_dir`
+    None is $DRMAS_CACHE, else ~/.cache/drmas, as for builtin models."""
+    folder = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "kb"
+    folder /= corpus_key(spec)
+    build_folder(
+        folder,
+        lambda tmp: write_corpus(build(spec), tmp / CORPUS_FILE),
+        lambda path: (path / CORPUS_FILE).is_file(),
+    )
+    return folder / CORPUS_FILE
 
-        cache_dir = default_cache_dir()
-    folder = Path(cache_dir) / "kb" / corpus_key(spec)
-    path = folder / "corpus.jsonl"
-    if path.is_file():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    with file_lock(folder / "corpus.lock"):
-        if not path.is_file():
-            write_corpus(build(spec), path)
-    return path
+
+def search_corpus(
+    retriever: RetrieverConfig, task: TaskConfig, cache_dir: str | None
+) -> Path | None:
+    """The corpus the search team's retriever indexes (None for an http retriever: the
+    server has its own): retriever.corpus_path when set, else for task.name=kb this
+    knowledge base's, generated once into the cache. Retrieval itself knows no task: the
+    team supplies its corpus here, and `drmas retriever` gets it through the team's
+    `prepare`."""
+    from drmas.retrieval import resolve_corpus_path
+
+    def generated() -> Path | None:
+        if task.name != "kb":
+            return None
+        spec = KBSpec(num_people=task.kb_num_people, seed=task.seed)
+        return ensure_corpus(spec, cache_dir or None)
+
+    return resolve_corpus_path(retriever, generated)
 
 
 def _write_jsonl(lines: Iterator[str], path: Path) -> None:

@@ -33,6 +33,7 @@ from drmas.config.actor import WorkflowConfig
 from drmas.protocol.messages import Episode, SamplingParams, Step, Task
 from drmas.teams.base import Team, Tool
 from drmas.teams.search import prompts as search_prompts
+from drmas.teams.search.kb import search_corpus
 from drmas.teams.search.prompts import (
     AGENTS,
     ANSWERER,
@@ -110,11 +111,11 @@ class SearchTeam(Team):
         built, or an HTTP server) as the `search` tool, unless `workflow.tools` gives one."""
         tools = super().make_tools(cfg)
         if SEARCH_TOOL not in tools:
-            from drmas.retrieval import build_retriever, resolve_corpus_path
+            from drmas.retrieval import build_retriever
             from drmas.retrieval.batching import BatchingRetriever
 
             r = cfg.retriever
-            corpus = resolve_corpus_path(r, cfg.task, cfg.run.cache_dir or None)
+            corpus = search_corpus(r, cfg.task, cfg.run.cache_dir or None)
             backend = BatchingRetriever(
                 build_retriever(r, corpus),
                 top_k=r.top_k,
@@ -154,9 +155,9 @@ class SearchTeam(Team):
         building it."""
         if cfg.retriever.name == "http" or SEARCH_TOOL in cfg.workflow.tools:
             return cfg
-        from drmas.retrieval import build_retriever, resolve_corpus_path
+        from drmas.retrieval import build_retriever
 
-        corpus = resolve_corpus_path(cfg.retriever, cfg.task, cfg.run.cache_dir or None)
+        corpus = search_corpus(cfg.retriever, cfg.task, cfg.run.cache_dir or None)
         assert corpus is not None  # only http has no corpus
         build_retriever(cfg.retriever, corpus).close()
         retriever = dataclasses.replace(cfg.retriever, corpus_path=str(Path(corpus).resolve()))
