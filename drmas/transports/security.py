@@ -16,7 +16,7 @@ binds: to admit a new client or revoke one, change authorized/ and restart the b
 
 What CURVE covers, and what it does not: only the broker's ZeroMQ connections (actors,
 learner ranks, `drmas status`). New weights travel from learner rank 0 to the actors over
-torch.distributed groups (gloo or NCCL over plain TCP, drmas/transports/weights.py), and
+torch.distributed groups (gloo or NCCL over plain TCP, drmas/transports/weights/), and
 learner ranks talk to each other the same way: those connections are neither
 authenticated nor encrypted. Keep the weight-group and learner networks
 (`weights.host`, MASTER_ADDR/MASTER_PORT) private to the run's hosts: a firewall or a
