@@ -38,7 +38,7 @@ def run(body: Callable[[SimEngine], Awaitable[T]], **cfg: Any) -> tuple[T, SimEn
         finally:
             await engine.close()
 
-    return asyncio.run(main()), engine
+    return asyncio.run(asyncio.wait_for(main(), 60)), engine
 
 
 def request(n: int, prompt: list[int] | None = None) -> GenerateRequest:
@@ -205,16 +205,19 @@ def test_pause_holds_between_steps_and_resume_continues() -> None:
     async def body(engine: SimEngine) -> tuple[int, int, GenerateResult]:
         pending = asyncio.ensure_future(engine.generate(request(50)))
         while engine.decode_steps < 3:
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0)
         await engine.pause()
         held_at = engine.decode_steps
-        await asyncio.sleep(0.1)  # 50 steps' worth of time
+        for _ in range(200):  # with no latency a step needs a few yields: room for all 50
+            await asyncio.sleep(0)
         after_hold = engine.decode_steps
         engine.load_weights([("w", torch.ones(2))], 1)
         await engine.resume()
         return held_at, after_hold, await pending
 
-    (held_at, after_hold, result), engine = run(body, sim_stop_prob=0.0, sim_token_latency_s=0.002)
+    (held_at, after_hold, result), engine = run(
+        body, sim_stop_prob=0.0, sim_token_latency_s=0.0, sim_prompt_latency_s_per_token=0.0
+    )
     assert held_at == after_hold  # no decode step while paused
     assert len(result.token_ids) == 50 and result.finish_reason == "length"
     assert result.version == 0  # the version the request started with (as hf)
@@ -226,12 +229,13 @@ def test_close_fails_pending_requests() -> None:
         engine = SimEngine("policy", "", EngineConfig(name="sim", sim_token_latency_s=0.01))
         await engine.start()
         pending = asyncio.ensure_future(engine.generate(request(1000)))
-        await asyncio.sleep(0.05)
+        while engine.decode_steps < 1:  # admitted and decoding
+            await asyncio.sleep(0)
         await engine.close()
         with pytest.raises(RuntimeError, match="engine closed"):
             await pending
 
-    asyncio.run(main())
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_bad_settings_are_refused() -> None:
