@@ -1,30 +1,27 @@
-"""Step scores -> advantages, per prompt group (DESIGN.md §1). Pure numpy: the broker runs it
-on every completed group, so everything is vectorised with ``np.unique`` + ``np.bincount``."""
+"""Step scores -> advantages, per prompt group: vanilla GRPO and the Dr. MAS agent-wise
+modes (the formulas and why they matter: docs/algorithm.md, "Advantages").
+
+Called by the broker when it cuts a batch (drmas/broker/buffers.py), by the transcript
+writer (drmas/broker/samples.py) and by `drmas probe`. Pure numpy: the broker runs it on
+every batch, so everything is vectorised with ``np.unique`` + ``np.bincount``.
+"""
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from drmas.config.types import AdvantageMode, Scope, StdKind
+
 Float = NDArray[np.float64]
 Index = NDArray[np.intp]
 
-_STD_DDOF = {"unbiased": 1, "population": 0}
-_SCOPES = ("group", "batch")
-
-
-@dataclass
-class _Steps:
-    """The input as dense indices: one entry per step."""
-
-    score: Float  # [N] step scores
-    group: Index  # [N] group index in [0, num_groups)
-    episode: Index  # [N] episode index in [0, num_episodes), episodes never shared by groups
-    agent: Index  # [N] (group, agent) index in [0, num_group_agents)
-    ddof: int
+_STD_DDOF: dict[StdKind, int] = {"unbiased": 1, "population": 0}
+_SCOPES: tuple[Scope, ...] = ("group", "batch")
 
 
 def _stats(keys: Index, values: Float, num_keys: int, ddof: int) -> tuple[Float, Float]:
@@ -39,56 +36,77 @@ def _stats(keys: Index, values: Float, num_keys: int, ddof: int) -> tuple[Float,
     return np.where(lone, 0.0, mean), np.where(lone, 1.0, std)
 
 
-def _global(steps: _Steps) -> tuple[Float, Float, Float]:
-    """(value, centre, scale) per step with the group's statistics over its episode means."""
-    num_episodes = int(steps.episode.max()) + 1
-    count = np.bincount(steps.episode, minlength=num_episodes)
-    episode_mean = np.bincount(steps.episode, weights=steps.score, minlength=num_episodes) / count
-    # Every step of an episode carries the same group index; pick one per episode.
-    episode_group = np.empty(num_episodes, dtype=np.intp)
-    episode_group[steps.episode] = steps.group
-    mean, std = _stats(episode_group, episode_mean, int(steps.group.max()) + 1, steps.ddof)
-    return episode_mean[steps.episode], mean[steps.group], std[steps.group]
+class _Steps:
+    """The input as dense indices, one entry per step, and the statistics the modes combine
+    (each computed once, when a mode first asks for it)."""
+
+    def __init__(self, s: Float, group: Index, episode: Index, agent: Index, ddof: int) -> None:
+        self.s = s  # [N] step scores
+        self.group = group  # [N] group index in [0, num_groups)
+        self.episode = episode  # [N] episode index; episodes are never shared by groups
+        self.agent = agent  # [N] (group, agent) index in [0, num_group_agents)
+        self.ddof = ddof
+
+    @functools.cached_property
+    def _team(self) -> tuple[Float, Float, Float]:
+        """Per step: R̄_i, the mean score of its episode; μ, σ over its group's episode means."""
+        num_episodes = int(self.episode.max()) + 1
+        count = np.bincount(self.episode, minlength=num_episodes)
+        episode_mean = np.bincount(self.episode, weights=self.s, minlength=num_episodes) / count
+        # Every step of an episode carries the same group index; pick one per episode.
+        episode_group = np.empty(num_episodes, dtype=np.intp)
+        episode_group[self.episode] = self.group
+        mean, std = _stats(episode_group, episode_mean, int(self.group.max()) + 1, self.ddof)
+        return episode_mean[self.episode], mean[self.group], std[self.group]
+
+    @functools.cached_property
+    def _agent(self) -> tuple[Float, Float]:
+        """Per step: μ_k, σ_k over every call of its agent k in its group."""
+        mean, std = _stats(self.agent, self.s, int(self.agent.max()) + 1, self.ddof)
+        return mean[self.agent], std[self.agent]
+
+    @functools.cached_property
+    def _pooled(self) -> tuple[Float, Float]:
+        """Per step: μ_all, σ_all over every step of its group, whatever the agent."""
+        mean, std = _stats(self.group, self.s, int(self.group.max()) + 1, self.ddof)
+        return mean[self.group], std[self.group]
+
+    @property
+    def episode_mean(self) -> Float:
+        return self._team[0]
+
+    @property
+    def mu(self) -> Float:
+        return self._team[1]
+
+    @property
+    def sigma(self) -> Float:
+        return self._team[2]
+
+    @property
+    def mu_k(self) -> Float:
+        return self._agent[0]
+
+    @property
+    def sigma_k(self) -> Float:
+        return self._agent[1]
+
+    @property
+    def mu_all(self) -> Float:
+        return self._pooled[0]
+
+    @property
+    def sigma_all(self) -> Float:
+        return self._pooled[1]
 
 
-def _per_agent(steps: _Steps) -> tuple[Float, Float]:
-    mean, std = _stats(steps.agent, steps.score, int(steps.agent.max()) + 1, steps.ddof)
-    return mean[steps.agent], std[steps.agent]
-
-
-def _mode_global(steps: _Steps) -> tuple[Float, Float, Float]:
-    return _global(steps)
-
-
-def _mode_agent(steps: _Steps) -> tuple[Float, Float, Float]:
-    mean_k, std_k = _per_agent(steps)
-    return steps.score, mean_k, std_k
-
-
-def _mode_agent_mean(steps: _Steps) -> tuple[Float, Float, Float]:
-    _, _, std = _global(steps)
-    mean_k, _ = _per_agent(steps)
-    return steps.score, mean_k, std
-
-
-def _mode_agent_std(steps: _Steps) -> tuple[Float, Float, Float]:
-    _, mean, _ = _global(steps)
-    _, std_k = _per_agent(steps)
-    return steps.score, mean, std_k
-
-
-def _mode_step_global(steps: _Steps) -> tuple[Float, Float, Float]:
-    mean, std = _stats(steps.group, steps.score, int(steps.group.max()) + 1, steps.ddof)
-    return steps.score, mean[steps.group], std[steps.group]
-
-
-# mode -> (value, centre, scale) of every step; advantage = (value - centre) / (scale + eps).
-_MODES: dict[str, Callable[[_Steps], tuple[Float, Float, Float]]] = {
-    "global": _mode_global,
-    "agent": _mode_agent,
-    "agent_mean": _mode_agent_mean,
-    "agent_std": _mode_agent_std,
-    "step_global": _mode_step_global,
+# mode -> (value, centre, scale) of every step; advantage = (value − centre) / (scale + ε).
+_MODES: dict[AdvantageMode, Callable[[_Steps], tuple[Float, Float, Float]]] = {
+    "global": operator.attrgetter("episode_mean", "mu", "sigma"),  # (R̄_i − μ)/(σ + ε): GRPO
+    "agent": operator.attrgetter("s", "mu_k", "sigma_k"),  # (s − μ_k)/(σ_k + ε): Dr. MAS
+    "agent_mean": operator.attrgetter("s", "mu_k", "sigma"),  # (s − μ_k)/(σ + ε)
+    "agent_std": operator.attrgetter("s", "mu", "sigma_k"),  # (s − μ)/(σ_k + ε)
+    "step_global": operator.attrgetter("s", "mu_all", "sigma_all"),  # (s − μ_all)/(σ_all + ε)
 }
 
 
@@ -112,44 +130,16 @@ def _one_dim(name: str, values: ArrayLike, n: int | None) -> NDArray[np.generic]
     return array
 
 
-def compute_advantages(
-    scores: ArrayLike,
-    group_ids: ArrayLike,
-    episode_ids: ArrayLike,
-    agent_ids: Sequence[str] | ArrayLike,
-    *,
-    mode: str = "agent",
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-    std: str = "unbiased",
-    scope: str = "group",
-) -> np.ndarray:
-    """One advantage per step (float64), to be broadcast to the step's response tokens.
+def _choice(what: str, value: str, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}: use one of {sorted(allowed)}")
 
-    Why agent-wise (Dr. MAS, Lemma 4.2): normalising agent k's scores with the team's μ, σ
-    scales its gradient's second moment by (σ_k² + (μ_k − μ)²)/σ², which explodes when the
-    agent's reward distribution drifts from the team's; its own μ_k, σ_k make that factor 1.
 
-    Modes: ``global`` (vanilla GRPO: every step gets its episode's (R̄_i − μ)/(σ+ε)),
-    ``agent`` (default, (s − μ_k)/(σ_k+ε)), ``agent_mean`` ((s − μ_k)/(σ+ε)), ``agent_std``
-    ((s − μ)/(σ_k+ε)), ``step_global`` ((s − μ_all)/(σ_all+ε) over every step of the group).
-    Global statistics μ, σ = over the group's episode means, as in ``global``; agent
-    statistics μ_k, σ_k = over every call of agent k in the group (several calls of one
-    episode count separately), as the reference's (uid, agent) key does. A statistic over a
-    single sample is mean 0, std 1, as in the reference. ``std`` is ``unbiased`` (n − 1,
-    torch.std) or ``population`` (n); ``norm_by_std=False`` returns value − centre.
-    ``scope="batch"`` ignores ``group_ids`` and treats the whole input as one group. Episodes
-    are identified by (group id, episode id), so episode ids need only be unique per group.
-    """
-    if mode not in _MODES:
-        raise ValueError(f"unknown advantage mode {mode!r}: use one of {sorted(_MODES)}")
-    if std not in _STD_DDOF:
-        raise ValueError(f"unknown std {std!r}: use one of {sorted(_STD_DDOF)}")
-    if scope not in _SCOPES:
-        raise ValueError(f"unknown scope {scope!r}: use one of {list(_SCOPES)}")
-    if not (np.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-
+def _steps_of(
+    scores: ArrayLike, group_ids: ArrayLike, episode_ids: ArrayLike, agent_ids: ArrayLike,
+    ddof: int, scope: Scope,
+) -> _Steps | None:  # fmt: skip
+    """The validated input as dense indices (None: no steps)."""
     raw = _one_dim("scores", scores, None)
     n = raw.shape[0]
     if not np.issubdtype(raw.dtype, np.number) or np.issubdtype(raw.dtype, np.complexfloating):
@@ -165,18 +155,48 @@ def compute_advantages(
         if n and not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"{name} must be integers, got dtype {ids.dtype}")
     if n == 0:
-        return np.zeros(0, dtype=np.float64)
-
+        return None
     group = np.zeros(n, dtype=np.intp) if scope == "batch" else _dense(groups)
     # Episodes keyed by (group id, episode id): ids repeated across groups stay distinct.
     episode = _pair(_dense(groups), _dense(episodes))
-    steps = _Steps(
-        score=score,
-        group=group,
-        episode=episode,
-        agent=_pair(group, _dense(agents.astype(str))),
-        ddof=_STD_DDOF[std],
-    )
+    return _Steps(score, group, episode, _pair(group, _dense(agents.astype(str))), ddof)
+
+
+def compute_advantages(
+    scores: ArrayLike,
+    group_ids: ArrayLike,
+    episode_ids: ArrayLike,
+    agent_ids: Sequence[str] | ArrayLike,
+    *,
+    mode: AdvantageMode = "agent",
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+    std: StdKind = "unbiased",
+    scope: Scope = "group",
+) -> np.ndarray:
+    """One advantage per step (float64), to be broadcast to the step's response tokens.
+
+    Why agent-wise (Dr. MAS, Lemma 4.2): normalising agent k's scores with the team's μ, σ
+    scales its gradient's second moment by (σ_k² + (μ_k − μ)²)/σ², which explodes when the
+    agent's reward distribution drifts from the team's; its own μ_k, σ_k make that factor 1.
+
+    `mode` picks (value, centre, scale) from `_MODES`. Team statistics μ, σ = over the
+    group's episode means R̄_i; agent statistics μ_k, σ_k = over every call of agent k in
+    the group (several calls of one episode count separately), as the reference's
+    (uid, agent) key does. A statistic over a single sample is mean 0, std 1, as in the
+    reference. ``std`` is ``unbiased`` (n − 1, torch.std) or ``population`` (n);
+    ``norm_by_std=False`` returns value − centre. ``scope="batch"`` ignores ``group_ids``
+    and treats the whole input as one group. Episodes are identified by (group id,
+    episode id), so episode ids need only be unique per group.
+    """
+    _choice("advantage mode", mode, list(_MODES))
+    _choice("std", std, list(_STD_DDOF))
+    _choice("scope", scope, _SCOPES)
+    if not (np.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    steps = _steps_of(scores, group_ids, episode_ids, agent_ids, _STD_DDOF[std], scope)
+    if steps is None:
+        return np.zeros(0, dtype=np.float64)
     value, centre, scale = _MODES[mode](steps)
     if not norm_by_std:
         return value - centre
