@@ -1,6 +1,27 @@
-"""PPO loss of one micro-batch and the token log-probs it needs (DESIGN.md §1).
+"""PPO loss of one micro-batch and the token log-probs it needs; called by
+drmas/learners/trainer.py for every micro-batch (and by drmas/learners/probe.py).
+
+The loss per response token: the PPO clipped surrogate against π_old (with dual clip),
+times a detached importance weight π_old/π_behaviour that corrects for the lag of the
+asynchronous actors, minus an entropy bonus, plus a k3 KL penalty to a frozen reference;
+aggregated over the batch with its global token and sequence counts (cfg.agg).
 
 Shapes: B sequences, T response positions (right-padded), V vocabulary.
+
+METRICS: policy_loss also returns detached 0-d float32 tensors, each a SUM over this
+micro-batch's real tokens (mask = 1); add them over micro-batches and ranks and divide by
+total_tokens for a fraction or a mean:
+
+- ``pg_clipped_tokens``: tokens whose surrogate took a clipped branch: the PPO clip
+  (−A·clip(r) > −A·r) or, for A < 0 with dual clip on, the dual-clip bound −A·c.
+- ``ppo_kl_sum``: Σ (old_logprobs − logprobs), the approximate KL(π_old‖π).
+- ``is_weight_sum``: Σ of the importance weight applied to the surrogate
+  (tis: min(π_old/π_behaviour, is_cap); mask: 1 or 0; none: 1).
+- ``is_capped_tokens``: tokens with π_old/π_behaviour > is_cap (counted in every mode).
+- ``entropy_sum``: Σ entropy (only when ``entropy`` is given).
+- ``kl_sum``: Σ k3(ref, cur) = exp(ref − cur) − (ref − cur) − 1 (only when
+  ``ref_logprobs`` is given).
+Log-ratios are clamped to ±20 before exp(), so extreme stale tokens stay finite.
 """
 
 from __future__ import annotations
@@ -55,10 +76,10 @@ _IS_CORRECTIONS = ("tis", "mask", "none")
 def _check(
     cfg: LossConfig,
     logprobs: Tensor,
-    others: dict[str, Tensor | None],
     advantages: Tensor,
     total_tokens: int,
     total_samples: int,
+    **others: Tensor | None,
 ) -> None:
     if cfg.agg not in _AGGREGATIONS:
         raise ValueError(f"unknown loss agg {cfg.agg!r}: use one of {sorted(_AGGREGATIONS)}")
@@ -94,6 +115,37 @@ def _check(
         raise ValueError("cfg.kl_coef != 0 needs the reference log-probs: pass ref_logprobs=")
 
 
+def _dual_clipped_surrogate(
+    log_ratio: Tensor, adv: Tensor, cfg: LossConfig
+) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate −A·r per token, with the dual clip bound −A·c for A < 0 when
+    cfg.dual_clip > 1; and where a clipped branch was taken (bool). log_ratio [B, T] is
+    log π/π_old, adv [B, 1]; both results [B, T]."""
+    ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()  # [B, T]
+    unclipped = -adv * ratio  # [B, T]
+    clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)  # [B, T]
+    surrogate = torch.maximum(unclipped, clipped)  # [B, T]
+    clip_active = clipped > unclipped  # [B, T] bool
+    if cfg.dual_clip > 1.0:
+        bound = -adv * cfg.dual_clip  # [B, 1]
+        dual_active = (adv < 0) & (surrogate > bound)  # [B, T] bool
+        surrogate = torch.where(dual_active, bound, surrogate)
+        clip_active = clip_active | dual_active
+    return surrogate, clip_active
+
+
+def _importance_weight(is_log_ratio: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    """The detached weight π_old/π_behaviour puts on a token's surrogate (tis: capped at
+    is_cap; mask: 0 above is_cap, else 1; none: 1), and which tokens exceed is_cap.
+    is_log_ratio [B, T] is log π_old − log π_behaviour (log space: no overflow)."""
+    capped = is_log_ratio > math.log(cfg.is_cap)  # [B, T] bool
+    if cfg.is_correction == "tis":
+        return is_log_ratio.clamp(max=math.log(cfg.is_cap)).exp(), capped
+    if cfg.is_correction == "mask":
+        return (~capped).float(), capped
+    return torch.ones_like(is_log_ratio), capped
+
+
 def policy_loss(
     logprobs: Tensor,  # [B, T] current-policy log-probs of response tokens (requires grad)
     old_logprobs: Tensor,  # [B, T] π_old, detached (recomputed by the learner)
@@ -107,75 +159,33 @@ def policy_loss(
     entropy: Tensor | None = None,  # [B, T] per-token entropy, required when cfg.entropy_coef != 0
     ref_logprobs: Tensor | None = None,  # [B, T] frozen reference, required when cfg.kl_coef != 0
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """This micro-batch's share of the batch loss, and metric sums.
+    """This micro-batch's share of the batch loss, and metric sums (METRICS, above).
 
     The loss divides by the batch's global totals, not the micro-batch's own counts, so that
     gradient accumulation over micro-batches and ranks equals one pass over the whole batch.
-
-    Ratios are against π_old (recomputed by the learner) so PPO's trust region is measured
-    from the policy being trained; the gap from π_old back to the behaviour policy that
-    actually sampled (async actors lag) is corrected by a detached importance weight on the
-    surrogate term only (entropy and KL regularise the current policy, not the data).
-    Log-ratios are clamped to ±20 before exp() so extreme stale tokens stay finite.
-
-    Metrics (detached 0-d float32 tensors, each a SUM over this micro-batch's real tokens,
-    mask = 1; add over micro-batches and ranks, divide by total_tokens for a fraction/mean):
-
-    - ``pg_clipped_tokens``: tokens whose surrogate took a clipped branch: the PPO clip
-      (−A·clip(r) > −A·r) or, for A < 0 with dual clip on, the dual-clip bound −A·c.
-    - ``ppo_kl_sum``: Σ (old_logprobs − logprobs), the approximate KL(π_old‖π).
-    - ``is_weight_sum``: Σ of the importance weight applied to the surrogate
-      (tis: min(π_old/π_behaviour, is_cap); mask: 1 or 0; none: 1).
-    - ``is_capped_tokens``: tokens with π_old/π_behaviour > is_cap (counted in every mode).
-    - ``entropy_sum``: Σ entropy (only when ``entropy`` is given).
-    - ``kl_sum``: Σ k3(ref, cur) = exp(ref − cur) − (ref − cur) − 1 (only when
-      ``ref_logprobs`` is given).
+    Ratios are against π_old so PPO's trust region is measured from the policy being
+    trained; the gap from π_old back to the behaviour policy that actually sampled (async
+    actors lag) is corrected by a detached importance weight on the surrogate term only
+    (entropy and KL regularise the current policy, not the data).
     """
-    _check(
-        cfg,
-        logprobs,
-        {
-            "old_logprobs": old_logprobs,
-            "behaviour_logprobs": behaviour_logprobs,
-            "mask": mask,
-            "entropy": entropy,
-            "ref_logprobs": ref_logprobs,
-        },
-        advantages,
-        total_tokens,
-        total_samples,
-    )
-    logprobs = logprobs.float()
-    old = old_logprobs.detach().float()
-    mask = mask.float()
+    _check(cfg, logprobs, advantages, total_tokens, total_samples, old_logprobs=old_logprobs,
+           behaviour_logprobs=behaviour_logprobs, mask=mask, entropy=entropy,
+           ref_logprobs=ref_logprobs)  # fmt: skip
+    logprobs = logprobs.float()  # [B, T]
+    old = old_logprobs.detach().float()  # [B, T]
+    mask = mask.float()  # [B, T]
     adv = advantages.detach().float().unsqueeze(-1)  # [B, 1]
 
-    # PPO surrogate with dual clip.
-    log_ratio = (logprobs - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # [B, T]
-    ratio = log_ratio.exp()  # [B, T]
-    unclipped = -adv * ratio  # [B, T]
-    clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)  # [B, T]
-    surrogate = torch.maximum(unclipped, clipped)  # [B, T]
-    clip_active = clipped > unclipped  # [B, T] bool
-    if cfg.dual_clip > 1.0:
-        bound = -adv * cfg.dual_clip  # [B, 1]
-        dual_active = (adv < 0) & (surrogate > bound)  # [B, T] bool
-        surrogate = torch.where(dual_active, bound, surrogate)
-        clip_active = clip_active | dual_active
-
-    # Off-policy correction π_old / π_behaviour, in log space (no overflow).
-    is_log_ratio = old - behaviour_logprobs.detach().float()  # [B, T]
-    capped = is_log_ratio > math.log(cfg.is_cap)  # [B, T] bool
-    is_weight = {
-        "tis": lambda: is_log_ratio.clamp(max=math.log(cfg.is_cap)).exp(),
-        "mask": lambda: (~capped).float(),
-        "none": lambda: torch.ones_like(is_log_ratio),
-    }[cfg.is_correction]()  # [B, T]
+    # 1. PPO surrogate against π_old, dual-clipped.
+    surrogate, clip_active = _dual_clipped_surrogate(logprobs - old, adv, cfg)  # [B, T]
+    # 2. Off-policy correction π_old / π_behaviour on the surrogate.
+    is_weight, capped = _importance_weight(old - behaviour_logprobs.detach().float(), cfg)
     per_token = surrogate * is_weight  # [B, T]
 
+    # 3. Regularisers of the current policy: entropy bonus, k3 KL to the frozen reference.
     metrics: dict[str, Tensor] = {}
     if entropy is not None:
-        ent = entropy.float()
+        ent = entropy.float()  # [B, T]
         if cfg.entropy_coef != 0:
             per_token = per_token - cfg.entropy_coef * ent
         metrics["entropy_sum"] = (ent.detach() * mask).sum()
@@ -188,7 +198,8 @@ def policy_loss(
             per_token = per_token + cfg.kl_coef * k3
         metrics["kl_sum"] = (k3.detach() * mask).sum()
 
-    loss = _AGGREGATIONS[cfg.agg](per_token, mask, cfg, total_tokens, total_samples)
+    # 4. This micro-batch's share of the batch loss, and the metric sums.
+    loss = _AGGREGATIONS[cfg.agg](per_token, mask, cfg, total_tokens, total_samples)  # []
     with torch.no_grad():
         metrics["pg_clipped_tokens"] = (clip_active.float() * mask).sum()
         metrics["ppo_kl_sum"] = ((old - logprobs) * mask).sum()

@@ -1,14 +1,14 @@
-"""One learner rank of one model: FSDP2-sharded policy, PPO step, full-weight gathering.
+"""One learner rank of one model: FSDP2-sharded policy, AdamW, the PPO step.
 
 Every public method except `param_specs` is a collective of the model's learner group:
-all ranks call it, in the same order, or the group hangs until its timeout.
+all ranks call it, in the same order, or the group hangs until its timeout. Loading the
+model and gathering it out again (publish, final save) are drmas/learners/model_io.py's.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
-from drmas.config.model import weights_dtype
+from drmas.learners import model_io
 from drmas.learners.batching import MicroBatch, empty_micro_batch, split_by_agent
 from drmas.learners.loss import policy_loss, token_logprobs_and_entropy
 from drmas.protocol.arrays import unpack_ids
@@ -33,12 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("drmas.learner")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Prefixes wrappers put in front of HF parameter names (torch.compile, activation
-# checkpointing, FSDP1); FSDP2 itself keeps names as they are.
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-_WRITTEN_BY_SAVE = ("config.json", "generation_config.json")
 # Metric sums from policy_loss that become per-token means.
 _TOKEN_MEANS = {
     "pg_clipped_tokens": "clip_frac",
@@ -65,22 +59,6 @@ class _MiniBatch:
     old_logprobs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
-def hf_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def checkpoint_folder(cfg: DrmasConfig, model: str) -> Path:
-    """The model's HF folder; a builtin:<name> is built once, then taken from the cache."""
-    from drmas.models.builtin import resolve_model_path
-
-    model_cfg = cfg.models[model]
-    return resolve_model_path(
-        model_cfg.path, cfg.run.cache_dir or None, model_cfg.warmstart, model_cfg.revision
-    )
-
-
 def precision_plan(precision: str) -> tuple[torch.dtype, MixedPrecisionPolicy | None]:
     """ModelConfig.precision -> (dtype of the weights AdamW updates, FSDP2 policy).
     bf16-mixed keeps fp32 masters and optimizer state; FSDP2 casts each layer's weights to
@@ -94,12 +72,6 @@ def precision_plan(precision: str) -> tuple[torch.dtype, MixedPrecisionPolicy | 
     if precision == "bf16-pure":
         return torch.bfloat16, None
     raise ValueError(f"precision {precision!r} is not fp32, bf16-mixed or bf16-pure")
-
-
-def load_causal_lm(folder: Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
-    lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    lm.to(device)  # type: ignore[arg-type]  # transformers' stub of .to is too narrow
-    return lm
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -132,51 +104,59 @@ class Trainer:
         self.world_size = world_size
         self.device = torch.device(device)
         self.agents = cfg.agents_of(model)
-        model_cfg = cfg.models[model]
-        self.source = checkpoint_folder(cfg, model)
+        self.source = model_io.checkpoint_folder(cfg, model)
         self.loss_cfg = cfg.algorithm.loss
-
-        master, policy = precision_plan(model_cfg.precision)
-        if model_cfg.precision == "bf16-pure" and rank == 0:
-            log.warning(
-                "models.%s.precision=bf16-pure: the weights themselves are bf16, so AdamW "
-                "updates below ~0.4 %% of a weight are lost (at lr 1e-6 most weights never "
-                "move); use bf16-mixed to train",
-                model,
-            )
-        self.publish_dtype = _DTYPES[weights_dtype(model_cfg.precision)]
+        model_cfg = cfg.models[model]
+        self.publish_dtype = model_io.publish_dtype(model_cfg.precision)
         """The dtype weights go to the actors in (the engines compute in it)."""
-        self.model = load_causal_lm(self.source, master, self.device)
-        self.model.train()
-        if model_cfg.activation_checkpointing:
-            # Each decoder layer's activations are recomputed in backward instead of kept
-            # (non-reentrant, which composes with FSDP2's per-layer gathers).
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+        self.model = self._sharded_policy()
         self.vocab_size = int(self.model.config.vocab_size)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
-        mesh = init_device_mesh(self.device.type, (world_size,))
-        mp_policy = policy or MixedPrecisionPolicy()  # the default policy casts nothing
-        for layer in decoder_layers(self.model):
-            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-        fully_shard(self.model, mesh=mesh, mp_policy=mp_policy)  # also for world_size 1
-
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.lr_of(model),
             weight_decay=model_cfg.weight_decay,
             betas=(model_cfg.betas[0], model_cfg.betas[1]),
         )
-        self.reference: PreTrainedModel | None = None
-        if self.loss_cfg.kl_coef > 0:
-            # Frozen and unsharded: only ever run forward under no_grad.
-            # In the compute dtype: it never trains, so it needs no fp32 master.
-            self.reference = load_causal_lm(self.source, self.publish_dtype, self.device)
-            self.reference.eval().requires_grad_(False)
+        self.reference = self._reference()
         if entropy_metric is None:
             entropy_metric = self.vocab_size <= 32768
         self.with_entropy = entropy_metric or self.loss_cfg.entropy_coef != 0
+
+    def _sharded_policy(self) -> PreTrainedModel:
+        """The policy in its master dtype, in train mode, each decoder layer and then the
+        whole model sharded over the learner group (FSDP2, also for world size 1)."""
+        model_cfg = self.cfg.models[self.name]
+        master, policy = precision_plan(model_cfg.precision)
+        if model_cfg.precision == "bf16-pure" and self.rank == 0:
+            log.warning(
+                "models.%s.precision=bf16-pure: the weights themselves are bf16, so AdamW "
+                "updates below ~0.4 %% of a weight are lost (at lr 1e-6 most weights never "
+                "move); use bf16-mixed to train",
+                self.name,
+            )
+        lm = model_io.load_causal_lm(self.source, master, self.device)
+        lm.train()
+        if model_cfg.activation_checkpointing:
+            # Each decoder layer's activations are recomputed in backward instead of kept
+            # (non-reentrant, which composes with FSDP2's per-layer gathers).
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp_policy = policy or MixedPrecisionPolicy()  # the default policy casts nothing
+        for layer in decoder_layers(lm):
+            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(lm, mesh=mesh, mp_policy=mp_policy)
+        return lm
+
+    def _reference(self) -> PreTrainedModel | None:
+        """The frozen reference of the KL term, None without one (kl_coef 0). Unsharded and
+        only ever run forward under no_grad; in the compute dtype: it never trains, so it
+        needs no fp32 master."""
+        if not self.loss_cfg.kl_coef > 0:
+            return None
+        reference = model_io.load_causal_lm(self.source, self.publish_dtype, self.device)
+        reference.eval().requires_grad_(False)
+        return reference
 
     # ------------------------------------------------------------------ training
     def step(self, shard: BatchShard, tick: Callable[[], None] = _nothing) -> dict[str, float]:
@@ -444,27 +424,15 @@ class Trainer:
     def param_specs(self) -> list[TensorSpec]:
         """(HF name, full shape, dtype) of what full_state_dict_iter(dtype=publish_dtype)
         yields, in order; local."""
-        dtype = str(self.publish_dtype).removeprefix("torch.")
-        return [
-            TensorSpec(hf_name(n), tuple(p.shape), dtype) for n, p in self.model.named_parameters()
-        ]
+        return model_io.param_specs(self.model, self.publish_dtype)
 
     def full_state_dict_iter(
         self, device: torch.device | str | None = "cpu", dtype: torch.dtype | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) per parameter, gathered one at a time. A collective: every
-        rank must exhaust it; every rank gets the full tensors (only rank 0 needs them).
-        `device` None keeps them where they were gathered (CUDA for an NCCL publish);
-        `dtype` None keeps the master dtype (checkpoints), else casts (publishing).
-        The tensors never alias the live parameters, so they survive later steps."""
-        for name, param in self.model.named_parameters():
-            value = param.detach()
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            full = full if device is None else full.to(device)
-            full = full if dtype is None else full.to(dtype)
-            if _same_storage(full, _local(value)):  # one rank: "gathering" returns the shard
-                full = full.clone()
-            yield hf_name(name), full
+        """(HF name, full tensor) per parameter (model_io.full_tensors). A collective: every
+        rank must exhaust it. `device` None keeps the tensors where they were gathered;
+        `dtype` None keeps the master dtype (checkpoints), else casts (publishing)."""
+        return model_io.full_tensors(self.model, device, dtype)
 
     def save_pretrained(self, out_dir: Path | str) -> None:
         """Collective: gather the weights; rank 0 writes an HF folder (config, weights and
@@ -474,28 +442,10 @@ class Trainer:
             if self.rank == 0:
                 state[name] = tensor
         if self.rank == 0:
-            out = Path(out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(out, state_dict=state)
-            _copy_tokenizer_files(self.source, out)
-            log.info("saved %s to %s", self.name, out)
+            model_io.save_hf_folder(self.model, state, self.source, Path(out_dir))
+            log.info("saved %s to %s", self.name, out_dir)
         dist.barrier()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _copy_tokenizer_files(source: Path, out: Path) -> None:
-    if not source.is_dir():
-        return
-    for path in source.iterdir():
-        if not path.is_file() or path.name.endswith(_WEIGHT_FILES):
-            continue
-        if path.name in _WRITTEN_BY_SAVE or (out / path.name).exists():
-            continue
-        shutil.copy2(path, out / path.name)
