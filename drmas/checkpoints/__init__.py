@@ -4,6 +4,6 @@ Written by learner ranks and the broker every `checkpoint.every` steps (and at t
 read back by `drmas train run.resume=RUN_DIR` (and the per-role commands).
 
     store.py          folders on disk: manifest written last, atomic rename, keep-N rotation
-    learner.py        DCP save/load of one learner group (model, optimizer, RNG, version)
+    (drmas/learners/checkpoint.py: DCP save/load of one learner group, in these folders)
     broker_state.py   the broker's snapshot/restore: cursor, versions, counters, requeues
 """

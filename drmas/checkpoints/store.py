@@ -11,7 +11,7 @@ Layout under the checkpoint root (`checkpoint.dir`, default RUN_DIR/checkpoints)
                                     read; deleted at the next rotation)
     broker.json                     the broker's state (drmas/checkpoints/broker_state.py)
 
-Who writes: learner ranks (drmas/checkpoints/learner.py) and the broker. Who reads: the
+Who writes: learner ranks (drmas/learners/checkpoint.py) and the broker. Who reads: the
 broker on resume (to choose each model's version), learners on resume (to load it), the
 launcher (to name the checkpoint to resume from when a learner dies).
 

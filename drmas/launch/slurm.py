@@ -6,7 +6,8 @@ resources. Each job loads the run's resolved config (written by `drmas prepare`)
 one role against the broker at its explicit address:
 
   learner: one job per model, `tasks_per_node` x `nodes` tasks = the model's world size;
-           every task reads its rank and the rendezvous from Slurm's environment.
+           every task reads its rank and the rendezvous from Slurm's environment and
+           starts like any learner rank (drmas/learners/entry.py).
   actor:   one array element per actor, id actor-<index>.
 
 The broker is not a Slurm job: it runs on the head node whose address the config names.
@@ -18,7 +19,10 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from drmas.config import DrmasConfig
 
 ROLES = ("learner", "actor")
 
@@ -67,25 +71,33 @@ def run_role(job: Any) -> None:
         )
     cfg = load_config(list(job.overrides), str(run_config))
     if job.role == "learner":
-        if job.model not in cfg.models:
-            raise ConfigError(
-                f"model={job.model!r} is not one of the run's models {sorted(cfg.models)}"
-            )
-        env = torch_distributed_env(dict(os.environ))
-        if int(env["WORLD_SIZE"]) != cfg.world_size_of(job.model):
-            raise ConfigError(
-                f"this job has {env['WORLD_SIZE']} tasks but model {job.model!r} has "
-                f"{cfg.world_size_of(job.model)} learner ranks: set hydra.launcher.tasks_per_node "
-                "and nodes so that nodes x tasks_per_node equals it"
-            )
-        os.environ.update(env)
-        from drmas.learners.main import run_learner
-
-        run_learner(cfg, job.model, int(env["RANK"]), int(env["WORLD_SIZE"]))
+        learner_task(cfg, job.model)
         return
     from drmas.actors.main import run_actor
 
     run_actor(cfg, f"actor-{job.index}-{socket.gethostname()}")
+
+
+def learner_task(cfg: DrmasConfig, model: str) -> None:
+    """This Slurm task as one rank of `model`'s learner group: its rank and rendezvous from
+    Slurm, then the learner's one entry (drmas/learners/entry.py)."""
+    from drmas.config import ConfigError
+
+    if model not in cfg.models:
+        raise ConfigError(f"model={model!r} is not one of the run's models {sorted(cfg.models)}")
+    env = torch_distributed_env(dict(os.environ))
+    if int(env["WORLD_SIZE"]) != cfg.world_size_of(model):
+        raise ConfigError(
+            f"this job has {env['WORLD_SIZE']} tasks but model {model!r} has "
+            f"{cfg.world_size_of(model)} learner ranks: set hydra.launcher.tasks_per_node "
+            "and nodes so that nodes x tasks_per_node equals it"
+        )
+    os.environ.update(env)
+    from drmas.learners.entry import run
+
+    # `run`, not `start`: submitit writes the job's result once this function returns,
+    # which start's os._exit would skip (the sweep would then report the job as failed)
+    run(cfg, model)
 
 
 def main() -> None:

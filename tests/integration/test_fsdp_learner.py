@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import threading
 from pathlib import Path
 
@@ -37,17 +36,12 @@ from drmas.protocol.messages import (
     Welcome,
 )
 from drmas.transports.channel import bind_router
+from drmas.transports.ports import free_port
 
 pytestmark = pytest.mark.slow
 
 MODEL = "policy"
 VOCAB = 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tiny_qwen2(folder: Path) -> Path:
@@ -328,9 +322,9 @@ class FakeBroker(threading.Thread):
 def learner_worker(rank: int, port: int, cfg) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from drmas.learners.main import run_learner
+    from drmas.learners.main import Learner
 
-    run_learner(cfg, MODEL, rank, 2)
+    Learner(cfg, MODEL, rank, 2).run()
 
 
 def test_learner_process_trains_publishes_and_saves(tmp_path: Path) -> None:

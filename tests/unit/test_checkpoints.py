@@ -185,7 +185,7 @@ def test_learner_checkpoint_restores_model_optimizer_and_rng(tmp_path: Path) -> 
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from drmas.checkpoints import learner as ckpt
+    from drmas.learners import checkpoint as ckpt
     from drmas.learners.trainer import Trainer
     from tests.integration.test_fsdp_learner import (
         MODEL,
@@ -234,7 +234,7 @@ def _two_rank_worker(rank: int, port: int, folder: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from drmas.checkpoints import learner as ckpt
+    from drmas.learners import checkpoint as ckpt
     from drmas.learners.trainer import Trainer, _local
     from tests.integration.test_fsdp_learner import MODEL, make_config, make_samples, shards
 
@@ -288,7 +288,7 @@ def test_rng_state_round_trips_without_pickle(tmp_path: Path) -> None:
     import numpy as np
     import torch
 
-    from drmas.checkpoints.learner import rng_state, set_rng_state
+    from drmas.learners.checkpoint import rng_state, set_rng_state
 
     cpu = torch.device("cpu")
     random.gauss(0, 1)  # a cached gaussian is part of the state too

@@ -1,7 +1,10 @@
 """Sharded learner checkpoints with torch.distributed.checkpoint (DCP).
 
 Called by every rank of one model's learner group (drmas/learners/main.py); each function
-is a collective of that group. What is saved, at version v (= optimizer steps taken):
+is a collective of that group. The folders themselves (manifest written last, atomic
+rename, keep-N rotation) are drmas/checkpoints/store.py's, shared with the broker.
+
+What is saved, at version v (= optimizer steps taken):
 
 - model and optimizer state, FSDP2-aware: `get_state_dict` gives each rank its DTensor
   shards, DCP writes one file per rank plus `.metadata` (rank 0);
