@@ -32,7 +32,6 @@ from drmas.actors.engines.base import Engine
 from drmas.actors.timebook import TimeBook
 from drmas.config import DrmasConfig
 from drmas.config.model import weights_dtype
-from drmas.plugins import team_class
 from drmas.protocol.messages import (
     Accepted,
     Episode,
@@ -49,6 +48,7 @@ from drmas.protocol.messages import (
     pack_group,
 )
 from drmas.teams.base import Team
+from drmas.teams.resolve import resolve
 from drmas.threads import env_threads
 from drmas.transports.channel import BrokerClient, BrokerRefused, BrokerUnavailable
 from drmas.transports.weights import NamedTensors, WeightReceiver
@@ -374,7 +374,9 @@ def make_workflow(
     """The configured team (`workflow.name` or `workflow.target`) with its tools (the
     search team's retriever: a local bm25/dense index, loaded from the cache `drmas train`
     built, or an HTTP server) and `workflow.reward`."""
-    return team_class(cfg.workflow).build(cfg, agent_models, engines, tokenizers)
+    team = resolve(cfg, "actor")  # the user's team, tools and reward: checked, then loaded
+    assert team is not None
+    return team.build(cfg, agent_models, engines, tokenizers)
 
 
 def default_actor_id() -> str:
