@@ -145,7 +145,7 @@ def main() -> int:
                 "learners": len(st.learners),
                 "loaded_digest_keys": len(st.weights.loaded_digest),
                 "pending_metric_steps": len(st.metrics.pending),
-                "eval_queue": len(st.eval_queue),
+                "eval_queue": len(st.validation.queue),
                 "versions": dict(st.versions),
                 "actor_versions": {a.client_id: dict(a.versions) for a in st.table.actors.values()},
             },

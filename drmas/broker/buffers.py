@@ -293,6 +293,16 @@ class ModelBuffer:
         self.batches_cut += 1
         return batch
 
+    def untrained_groups(self) -> dict[int, str]:
+        """Group id -> task id of every slice buffered, or cut into a batch not trained yet."""
+        parts = [*self.slices, *(p for b in self.cut.values() for p in b.slices)]
+        return {p.group_id: p.task.task_id for p in parts}
+
+    def restore(self, version: int) -> None:
+        """On resume, for a fresh buffer: the learner continues at `version`, so that many
+        batches were cut (the slices themselves are not restored: their tasks are requeued)."""
+        self.batches_cut = version
+
     def trained(self, new_version: int) -> list[CutBatch]:
         """The learner reached `new_version`: batches of older versions are done."""
         done = [b for v, b in self.cut.items() if v < new_version]

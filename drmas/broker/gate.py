@@ -1,13 +1,18 @@
 """Who may send what: the one place every message is checked before it touches state.
 
-Called by the broker loop (drmas/broker/server.py) for every decoded message, before
-BrokerState sees it. Reads BrokerState, never changes it; a message that fails raises
-ProtocolError, which the loop answers with an ErrorReply and counts under
-`refused/<code>`:
+Called by the broker loop (drmas/broker/server.py) for every decoded message: `admit`
+returns what the loop needs to route it (the sender, and for a GroupResult its lease,
+looked up once), or raises ProtocolError, which the loop answers with an ErrorReply and
+counts under `refused/<code>`. Reads BrokerState, never changes it:
+- `protocol_version`: a Hello from another drmas version;
 - `unknown_client`: the sender never said Hello (or was dropped): it should reconnect;
 - `forbidden`: the sender's role (bound at its Hello) may not send this message type, or
   not for this model or rank;
-- `invalid`: a field is out of range (model name, rank, world size, version, list length).
+- `invalid`: a field is out of range (model name, rank, world size, version, list length,
+  and the limits of drmas/protocol/validate.py: lease requests, groups' sizes and tokens).
+A refused GroupResult for a lease its sender holds raises `InvalidGroup`, which carries
+the lease: after the refusal the loop has BrokerState hand it back (`refuse_group`), so
+its task is re-issued at once instead of at the lease's timeout.
 
 Roles, bound at Hello and fixed for the connection's client id:
 
@@ -34,7 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
-from drmas.protocol import ProtocolError
+from drmas.protocol import PROTOCOL_VERSION, Limits, ProtocolError, validate
 from drmas.protocol.messages import (
     ACTOR_TIME_STATES,
     BatchRequest,
@@ -53,6 +58,7 @@ from drmas.protocol.messages import (
 )
 
 if TYPE_CHECKING:
+    from drmas.broker.leases import LeaseRecord
     from drmas.broker.state import BrokerState
 
 log = logging.getLogger("drmas.broker")
@@ -95,6 +101,24 @@ class Sender:
     world_size: int = 1
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """What the gate hands the loop with a message it admits."""
+
+    sender: Sender | None  # None for Hello and StatusRequest, which anyone may send
+    # GroupResult: the lease as its sender holds it (None: it holds none; the result is late)
+    lease: LeaseRecord | None = None
+
+
+class InvalidGroup(ProtocolError):
+    """A GroupResult for a lease its sender holds failed validation (code and reason as
+    validate.py gave them); `lease` is the lease the loop hands back after the refusal."""
+
+    def __init__(self, refused: ProtocolError, lease: LeaseRecord) -> None:
+        super().__init__(refused.code, refused.reason)
+        self.lease = lease
+
+
 def clip(text: object, limit: int = 200) -> str:
     """`text` for a log line or a reply: at most `limit` characters, saying what was cut."""
     s = str(text)
@@ -133,13 +157,50 @@ def _forbidden(reason: str) -> NoReturn:
 
 
 class Gate:
-    """Checks senders and fields against the broker's state (read-only)."""
+    """Checks senders and fields against the broker's state (read-only) and the run's
+    `limits` (drmas/protocol/validate.py)."""
 
-    def __init__(self, state: BrokerState) -> None:
+    def __init__(self, state: BrokerState, limits: Limits) -> None:
         self.state = state
+        self.limits = limits
+
+    def admit(self, cid: str, msg: ToBroker, key_roles: frozenset[str] | None = None) -> Admitted:
+        """`msg` from client id `cid` if it may send it with these fields; else raises
+        ProtocolError. `key_roles`: with CURVE, the roles the sender's key may take."""
+        if isinstance(msg, Hello):
+            self.check_key(msg.role, key_roles)
+            self.check_hello(cid, msg)
+            return Admitted(None)
+        if isinstance(msg, StatusRequest):
+            return Admitted(None)  # any key: status is read-only
+        who = self._sender_of(cid, msg)
+        self.check_key(who.role, key_roles)
+        if isinstance(msg, LeaseRequest):
+            validate.check_lease_request(msg, self.limits)
+        if isinstance(msg, GroupResult):
+            return Admitted(who, self._held_lease(cid, msg))
+        return Admitted(who)
 
     # ------------------------------------------------------------------ Hello
     def check_hello(self, cid: str, msg: Hello) -> None:
+        """A Hello: the protocol version, the id it claims, the run's limits, then the
+        role's own rules (`_hello_role`)."""
+        if msg.protocol_version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                "protocol_version",
+                f"client speaks protocol {msg.protocol_version}, this broker speaks "
+                f"{PROTOCOL_VERSION}; run the same drmas version everywhere",
+            )
+        if msg.client_id != cid:
+            _invalid(f"Hello says {msg.client_id!r} but comes from {cid!r}")
+        validate.check_hello(msg, self.limits)
+        self._hello_role(cid, msg)
+        if msg.role == "actor":
+            why = self.state.actor_refusal(msg.models)
+            if why:
+                _invalid(why)
+
+    def _hello_role(self, cid: str, msg: Hello) -> None:
         """Field and role checks of a Hello beyond protocol/validate.check_hello."""
         st = self.state
         if len(msg.host) > 256:
@@ -192,10 +253,9 @@ class Gate:
             return Sender("learner", (learner.model,), learner.rank, learner.world_size)
         return None
 
-    def admit(self, cid: str, msg: ToBroker) -> Sender:
-        """The registered sender of `msg` if it may send it with these fields; else raises."""
-        if isinstance(msg, (Hello, StatusRequest)):
-            raise TypeError("Hello and StatusRequest need no sender")
+    def _sender_of(self, cid: str, msg: ToBroker) -> Sender:
+        """The registered sender of `msg` if its role may send it with these fields; else
+        raises. (Hello and StatusRequest need no sender: see `admit`.)"""
         claimed = getattr(msg, "client_id", cid)
         if claimed != cid:
             _invalid(f"message says client {clip(claimed, 64)!r} but comes from {cid!r}")
@@ -212,7 +272,18 @@ class Gate:
             check(who, msg)
         return who
 
-    # one method per message type with fields to check (looked up by name in admit)
+    def _held_lease(self, cid: str, msg: GroupResult) -> LeaseRecord | None:
+        """The lease `msg` returns, as `cid` holds it; a result for a held lease must fit
+        it (group size) and the run's limits (tokens, vocabularies, agents)."""
+        record = self.state.table.owned(msg.lease_id, cid)
+        if record is not None:
+            try:
+                validate.check_group_result(msg, self.limits, record.lease.group_size)
+            except ProtocolError as exc:
+                raise InvalidGroup(exc, record) from exc
+        return record
+
+    # one method per message type with fields to check (looked up by name in _sender_of)
     def _Heartbeat(self, who: Sender, msg: Heartbeat) -> None:
         self._held_versions(who, msg.versions)
         unknown = set(msg.time_s) - set(ACTOR_TIME_STATES)

@@ -5,11 +5,16 @@ returned (accepted), handed back (Goodbye), expired (lease timeout), or revoked 
 actor went silent). Anything but "returned" puts the task back at the front of the
 queue; a result that arrives for a lease that no longer exists is refused, so no group
 is ever trained twice.
+
+The table's ids survive a resume (`snapshot` / `restore`, drmas/broker/checkpoint.py):
+new leases and groups never reuse an id of the run's history.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from drmas.protocol.messages import Lease, SamplingParams, Task
 
@@ -101,6 +106,26 @@ class LeaseTable:
 
     def expired(self, now: float) -> list[int]:
         return [i for i, r in self.leases.items() if now - r.issued_at > self.lease_timeout_s]
+
+    def training_groups(self) -> dict[int, str]:
+        """Group id -> task id of every training group leased out now."""
+        return {
+            r.lease.group_id: r.task.task_id for r in self.leases.values() if r.eval_round is None
+        }
+
+    def snapshot(self) -> dict[str, int]:
+        """The next ids, and how many leases are out (a resume counts them as requeued)."""
+        return {
+            "outstanding_leases": len(self.leases),
+            "next_lease": self._next_lease,
+            "next_group": self._next_group,
+        }
+
+    def restore(self, saved: Mapping[str, Any]) -> None:
+        """Continue the ids of a `snapshot` (the leases themselves are not restored: their
+        tasks go back to the queue)."""
+        self._next_lease = int(saved["next_lease"])
+        self._next_group = int(saved["next_group"])
 
     def remove_actor(self, actor: str) -> list[LeaseRecord]:
         """Forget an actor; returns the leases it held (closed)."""

@@ -154,6 +154,23 @@ class StepMetrics:
     def write(self, record: dict[str, float]) -> None:
         self.sink.write({**record, "time_s": time.time()})
 
+    def snapshot(self) -> dict[str, int]:
+        """For the broker's checkpoint: the newest step whose line was written."""
+        return {"metrics_step": max(self.flushed, default=0)}
+
+    def restore(self, versions: dict[str, int]) -> None:
+        """On resume with each model at `versions`: lines up to the lowest version stay (the
+        later ones were moved to metrics.rewound.jsonl); a step between the lowest and a
+        model's own version is written again once the models behind report it, and the
+        models already past it count as reported (their re-publish on resume is not a new
+        line either)."""
+        step = min(versions.values())
+        self.flushed.update(range(step + 1))
+        for s in range(step + 1, max(versions.values()) + 1):
+            self.reported[s] = {
+                (m, part) for m, v in versions.items() if v >= s for part in ("step", "publish")
+            }
+
     def close(self, counters: dict[str, int]) -> None:
         for step in sorted(self.pending):
             self.flush(step, counters)

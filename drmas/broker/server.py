@@ -2,9 +2,10 @@
 
 Talks to: actors (leases in, groups out, weight-group joins), learner ranks (batch
 shards, step reports, publish plans) and `drmas status` clients. Every frame is decoded
-with the ToBroker decoder, then checked by the gate (drmas/broker/gate.py: the sender's
-role bound at Hello, its CURVE key's role, every field) and validated before it touches
-state; a refused frame gets an ErrorReply (when the sender can be answered), is counted
+with the ToBroker decoder, then admitted or refused by the gate (drmas/broker/gate.py: the
+sender's role bound at Hello, its CURVE key's role, every field, the run's limits) before
+it touches state; this loop only routes what the gate admits to BrokerState and sends the
+replies. A refused frame gets an ErrorReply (when the sender can be answered), is counted
 under `refused/<code>`, and the loop goes on. Anything unforeseen is refused as
 `internal` by a last-resort handler. The loop polls with a 100 ms timeout so liveness
 checks never stall, and caps open connections per host (drmas/broker/connections.py).
@@ -28,24 +29,18 @@ from pathlib import Path
 
 import zmq
 
+from drmas.broker.checkpoint import BrokerCheckpoints
 from drmas.broker.connections import ConnectionCap
-from drmas.broker.gate import Gate, RateLimit, clip
+from drmas.broker.gate import Gate, InvalidGroup, RateLimit, clip
 from drmas.broker.heap import tune_gc
+from drmas.broker.leases import LeaseRecord
 from drmas.broker.metrics import NullSink, StepMetrics
 from drmas.broker.samples import SampleWriter, transcript_markdown
 from drmas.broker.state import BrokerState
+from drmas.broker.status import lease_accounting, status_reply
 from drmas.broker.trackers import FanOut, make_sink
-from drmas.checkpoints.broker_state import BrokerCheckpoints
 from drmas.config import DrmasConfig, config_dict
-from drmas.plugins import team_class
-from drmas.protocol import (
-    PROTOCOL_VERSION,
-    Limits,
-    ProtocolError,
-    decode_to_broker,
-    encode,
-    validate,
-)
+from drmas.protocol import Limits, ProtocolError, decode_to_broker, encode
 from drmas.protocol.messages import (
     Accepted,
     BatchRequest,
@@ -66,6 +61,7 @@ from drmas.protocol.messages import (
     Welcome,
 )
 from drmas.tasks.source import TaskSource
+from drmas.teams.resolve import team_class
 from drmas.transports.channel import bind_router
 from drmas.transports.security import key_roles, keys_dir
 
@@ -103,13 +99,7 @@ class BrokerServer:
         self.checkpoints.restore(self.state)
         self.samples = self._sample_writer(cfg, run_dir)
         self.sink = sink
-        self.gate = Gate(self.state)
-        self.cpu = self.state.metrics.cpu
-        # CURVE: public key (z85) -> Hello roles it may take (authorized/roles.json)
-        self.key_roles = key_roles(keys_dir(cfg.security)) if cfg.security.curve else None
-        self._internal_logged: set[tuple[str, str]] = set()
-        self._refusal_log = RateLimit(per_minute=10)
-        self.limits = Limits(
+        limits = Limits(
             agent_models=dict(self.state.agent_models),
             vocab_sizes=vocab_sizes(cfg),
             max_response_tokens=cfg.sampling.max_new_tokens,
@@ -117,6 +107,12 @@ class BrokerServer:
             # trained on
             max_steps_per_episode=team_class(cfg.workflow).max_steps_per_episode(cfg.workflow),
         )
+        self.gate = Gate(self.state, limits)
+        self.cpu = self.state.metrics.cpu
+        # CURVE: public key (z85) -> Hello roles it may take (authorized/roles.json)
+        self.key_roles = key_roles(keys_dir(cfg.security)) if cfg.security.curve else None
+        self._internal_logged: set[tuple[str, str]] = set()
+        self._refusal_log = RateLimit(per_minute=10)
         self.ctx = zmq.Context()
         self.sock, self.address = bind_router(
             self.ctx, cfg.broker.address, cfg.broker.max_message_bytes, cfg.security
@@ -204,7 +200,7 @@ class BrokerServer:
                 "versions": self.state.versions,
                 "accepted_groups": len(self.state.accepted_groups),
                 "trained_groups": {m: len(g) for m, g in self.state.trained_groups.items()},
-                "leases": self.state.lease_accounting(),
+                "leases": lease_accounting(self.state),
                 "done": self.state.done,
                 "cpu": self.cpu.summary(time.monotonic()),
             }
@@ -278,17 +274,21 @@ class BrokerServer:
         return self.key_roles.get(str(frame.get("User-Id")), frozenset())
 
     def dispatch(self, cid: str, msg: ToBroker, key_roles: frozenset[str] | None = None) -> None:
+        """Route one message: the gate admits it or raises (and nothing has changed), then
+        BrokerState applies it and the sender gets its reply."""
         now = time.monotonic()
         st = self.state
+        try:
+            admitted = self.gate.admit(cid, msg, key_roles)
+        except InvalidGroup as refused:
+            st.refuse_group(refused.lease)  # its task is re-issued now, not at timeout
+            raise
         if isinstance(msg, Hello):
-            self.gate.check_key(msg.role, key_roles)
             self.on_hello(cid, msg, now)
             return
         if isinstance(msg, StatusRequest):
-            self.send(cid, st.status(now))
+            self.send(cid, status_reply(st, now))
             return
-        sender = self.gate.admit(cid, msg)  # sender, role, model, rank, versions, sizes
-        self.gate.check_key(sender.role, key_roles)
         st.seen(cid, now)
         match msg:
             case Heartbeat():
@@ -296,10 +296,9 @@ class BrokerServer:
                 if msg.time_s and cid in st.table.actors:
                     st.metrics.actor_time(cid, msg.time_s)
             case LeaseRequest():
-                validate.check_lease_request(msg, self.limits)
                 self.send(cid, st.lease(cid, msg.max_groups, msg.versions, now))
             case GroupResult():
-                self.on_group(cid, msg, now)
+                self.on_group(cid, msg, admitted.lease, now)
             case BatchRequest():
                 self.send(cid, st.batch(msg.model, msg.rank, msg.world_size, msg.version, now))
             case StepReport():
@@ -310,26 +309,13 @@ class BrokerServer:
                 for actor, join in joins:
                     self.send(actor, join)
                 self.send(cid, plan)
-            case PublishDone():
-                if not msg.ok:
-                    log.warning(
-                        "publish of %s v%d failed: %s", msg.model, msg.version, clip(msg.error)
-                    )
-                st.weights.done(msg.model, msg.version, msg.seconds, msg.ok, msg.digest)
-            case WeightsLoaded():
-                if not msg.ok:
-                    log.warning(
-                        "%s failed to load %s v%d: %s", cid, msg.model, msg.version, clip(msg.error)
-                    )
-                st.weights.loaded(cid, msg.model, msg.version, msg.ok, msg.digest)
+            case PublishDone() | WeightsLoaded():
+                self.on_weights(cid, msg)
             case LeaseReturn():
                 log.warning(
                     "%s returns %d leases %s: %s",
-                    cid,
-                    len(msg.lease_ids),
-                    clip(msg.lease_ids[:20]),
-                    clip(msg.reason),
-                )
+                    cid, len(msg.lease_ids), clip(msg.lease_ids[:20]), clip(msg.reason),
+                )  # fmt: skip
                 st.hand_back(cid, msg.lease_ids)
             case Goodbye():
                 if cid in st.learners:
@@ -339,21 +325,11 @@ class BrokerServer:
                     st.drop_actor(cid, "left")
 
     def on_hello(self, cid: str, msg: Hello, now: float) -> None:
+        """Register the sender in the role it says (the gate has checked it may) and
+        welcome it with the run's versions and agent -> model map."""
         st = self.state
-        if msg.protocol_version != PROTOCOL_VERSION:
-            raise ProtocolError(
-                "protocol_version",
-                f"client speaks protocol {msg.protocol_version}, this broker speaks {PROTOCOL_VERSION}; "
-                "run the same drmas version everywhere",
-            )
-        if msg.client_id != cid:
-            raise ProtocolError("invalid", f"Hello says {msg.client_id!r} but comes from {cid!r}")
-        validate.check_hello(msg, self.limits)
-        self.gate.check_hello(cid, msg)
         if msg.role == "actor":
-            why = st.add_actor(cid, msg.host, msg.pid, msg.models, now)
-            if why:
-                raise ProtocolError("invalid", why)
+            st.add_actor(cid, msg.host, msg.pid, msg.models, now)
         elif msg.role == "learner":
             st.add_learner(cid, msg.models[0], msg.rank, msg.world_size, now)
         self.send(
@@ -366,29 +342,36 @@ class BrokerServer:
             ),
         )
 
-    def on_group(self, cid: str, msg: GroupResult, now: float) -> None:
+    def on_group(self, cid: str, msg: GroupResult, lease: LeaseRecord | None, now: float) -> None:
+        """A finished group, with the lease the gate looked up: accepted or not, the actor
+        is told; an accepted training group may become the step's sampled transcript."""
         st = self.state
-        size = st.owned_group_size(cid, msg.lease_id)
-        if size is not None:
-            try:
-                validate.check_group_result(msg, self.limits, size)
-            except ProtocolError:
-                st.hand_back(cid, [msg.lease_id])  # re-issue the task now, not at lease timeout
-                st.counters["groups_invalid"] += 1
-                raise
-        record = st.table.owned(msg.lease_id, cid)
-        why = st.accept(cid, msg, now)
+        why = st.accept_leased(cid, msg, lease, now)
         self.send(cid, Accepted(msg.lease_id, accepted=not why, reason=why))
         step = min(st.versions.values())
         if (
             self.samples
             and not why
-            and record
-            and record.eval_round is None
+            and lease is not None
+            and lease.eval_round is None
             and self.samples.due(step)
         ):
-            self.samples.add(step, record.task, msg)
+            self.samples.add(step, lease.task, msg)
             self.flush_samples()
+
+    def on_weights(self, cid: str, msg: PublishDone | WeightsLoaded) -> None:
+        """A learner's publish ended, or an actor loaded (or failed to load) weights."""
+        weights = self.state.weights
+        if isinstance(msg, PublishDone):
+            if not msg.ok:
+                log.warning("publish of %s v%d failed: %s", msg.model, msg.version, clip(msg.error))
+            weights.done(msg.model, msg.version, msg.seconds, msg.ok, msg.digest)
+            return
+        if not msg.ok:
+            log.warning(
+                "%s failed to load %s v%d: %s", cid, msg.model, msg.version, clip(msg.error)
+            )
+        weights.loaded(cid, msg.model, msg.version, msg.ok, msg.digest)
 
     def flush_samples(self) -> None:
         """Sampled transcripts to samples.jsonl and the trackers, once tokenizers load."""

@@ -1,12 +1,15 @@
 """The broker's state and rules, without sockets (drmas/broker/server.py wires it; every
-message it passes on has been checked by drmas/broker/gate.py first).
+message it passes on has been admitted by drmas/broker/gate.py first, and nothing here
+changes before that).
 
 Owns, one component per concern:
 - membership and leases: `table` (drmas/broker/leases.py: actors, leases) and `learners`;
-- the task source and validation rounds (drmas/broker/evaluation.py);
+- the task source and validation rounds: `validation` (drmas/broker/evaluation.py);
 - one buffer per model (drmas/broker/buffers.py), cut into batches;
 - weight publishing and digests: `weights` (drmas/broker/publishing.py);
 - the models' versions, counters and metrics lines (drmas/broker/metrics.py).
+`snapshot` / `restore` carry it across a resume, each component saving its own part
+(the file and its consistency with the learners' checkpoints: drmas/broker/checkpoint.py).
 Rules:
 - admission: train groups in flight + buffered <= (η + 1) · B, and an actor gets a lease
   only if its weights are fresh enough for the batch that lease will land in;
@@ -18,28 +21,27 @@ Rules:
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import math
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from drmas.broker.buffers import ModelBuffer, split_group
-from drmas.broker.evaluation import EvalRound
-from drmas.broker.leases import ActorRecord, LearnerRecord, LeaseTable
+from drmas.broker.evaluation import Validation
+from drmas.broker.leases import ActorRecord, LearnerRecord, LeaseRecord, LeaseTable
 from drmas.broker.metrics import NullSink, StepMetrics
 from drmas.broker.publishing import WeightPublishing
 from drmas.config import DrmasConfig
 from drmas.protocol import ProtocolError
 from drmas.protocol.messages import (
-    ActorStatus,
     BatchShard,
-    EpisodeHeader,
     GroupResult,
     Lease,
     Leases,
-    ModelStatus,
     NoBatch,
     SamplingParams,
-    StatusReply,
     Task,
 )
 from drmas.tasks.source import TaskSource
@@ -78,16 +80,13 @@ class BrokerState:
         }
         self.versions = dict.fromkeys(self.models, 0)
         self.learners: dict[str, LearnerRecord] = {}  # client id -> its model, rank, last seen
-        self.finished_learners: set[str] = set()
         self.metrics = metrics or StepMetrics(NullSink(), self.models)
         self.counters: collections.Counter[str] = collections.Counter()
         self.trained_groups: dict[str, set[int]] = {m: set() for m in self.models}
         # (model, version, group id, task id) per trained group, until a checkpoint holds it
         self.trained_log: list[tuple[str, int, int, str]] = []
         self.accepted_groups: set[int] = set()
-        self.eval_queue: collections.deque[tuple[Task, int]] = collections.deque()
-        self.eval_rounds: dict[int, EvalRound] = {}
-        self.eval_scheduled: set[int] = set()
+        self.validation = Validation(cfg)
         self.weights = WeightPublishing(
             cfg, self.table.actors, self.versions, self.counters, self.metrics
         )
@@ -103,19 +102,25 @@ class BrokerState:
             self._schedule_eval()  # step 0: the starting point every later round compares to
 
     # ------------------------------------------------------------ membership
-    def add_actor(self, client_id: str, host: str, pid: int, models: list[str], now: float) -> str:
-        """Register an actor; returns "" or why it is refused."""
+    def actor_refusal(self, models: list[str]) -> str:
+        """Why an actor serving `models` may not join ("" = it may); the gate asks first."""
         missing = sorted(set(self.models) - set(models))
         if missing:
             return f"an actor must serve every model of the team; missing {missing}"
+        return ""
+
+    def add_actor(self, client_id: str, host: str, pid: int, models: list[str], now: float) -> None:
+        """Register an actor (the gate has checked `actor_refusal`; raises ValueError if not)."""
+        why = self.actor_refusal(models)
+        if why:
+            raise ValueError(why)
         if client_id in self.table.actors:
             self.drop_actor(client_id, "re-registered")  # a restart under the same id
         self.table.actors[client_id] = ActorRecord(client_id, host, pid, models, now)
         self.counters["actors_joined"] += 1
-        # DESIGN §3: an actor attaching mid-run first gets the current weights (the next
-        # publish, or a re-publish to stale actors) and only then leases.
+        # An actor attaching mid-run first gets the current weights (the next publish, or
+        # a re-publish to stale actors) and only then leases: no group of it is too stale.
         self.attach_versions[client_id] = {m: v for m, v in self.versions.items() if v > 0}
-        return ""
 
     def add_learner(
         self, client_id: str, model: str, rank: int, world_size: int, now: float
@@ -151,11 +156,22 @@ class BrokerState:
         log.info("actor %s removed (%s)", client_id, why)
 
     def hand_back(self, client_id: str, lease_ids: list[int]) -> None:
+        """The leases of `lease_ids` that `client_id` holds end; their tasks are requeued."""
         for lease_id in lease_ids:
-            if self.table.owned(lease_id, client_id):
-                record = self.table.close(lease_id)
-                self._requeue(record.task, record.eval_round)
-                self.counters["leases_handed_back"] += 1
+            record = self.table.owned(lease_id, client_id)
+            if record is not None:
+                self._close_and_requeue(record)
+
+    def refuse_group(self, record: LeaseRecord) -> None:
+        """The gate refused a result for this held lease (it failed validation): its task
+        is re-issued now, not at the lease's timeout, and the group counted as invalid."""
+        self._close_and_requeue(record)
+        self.counters["groups_invalid"] += 1
+
+    def _close_and_requeue(self, record: LeaseRecord) -> None:
+        self.table.close(record.lease.lease_id)
+        self._requeue(record.task, record.eval_round)
+        self.counters["leases_handed_back"] += 1
 
     def reap(self, now: float) -> None:
         """Drop silent actors and expire old leases; their tasks go back to the queue."""
@@ -189,7 +205,7 @@ class BrokerState:
         if eval_round is None:
             self.source.requeue(task)
         else:
-            self.eval_queue.appendleft((task, eval_round))
+            self.validation.requeue(task, eval_round)
 
     # ---------------------------------------------------------------- leases
     def _training(self) -> list[ModelBuffer]:
@@ -238,12 +254,13 @@ class BrokerState:
             return Leases(leases=[], retry_after_s=0.2, reason=waiting)
         out: list[Lease] = []
         reason = ""
-        while len(out) < max_groups and self.eval_queue:
-            task, step = self.eval_queue[0]
+        queue = self.validation.queue
+        while len(out) < max_groups and queue:
+            task, step = queue[0]
             if min(actor.versions.get(m, 0) for m in self.models) < step:
                 reason = f"validation at step {step} waits for weights v{step}"
                 break
-            self.eval_queue.popleft()
+            queue.popleft()
             out.append(
                 self.table.issue(
                     client_id,
@@ -285,13 +302,17 @@ class BrokerState:
         self.counters["actors_synced_on_attach"] += 1
         return ""
 
-    def owned_group_size(self, client_id: str, lease_id: int) -> int | None:
-        record = self.table.owned(lease_id, client_id)
-        return record.lease.group_size if record else None
-
     def accept(self, client_id: str, result: GroupResult, now: float) -> str:
-        """Take a finished group; returns "" or why it was refused (nothing changes then)."""
+        """Take a finished group, looking up its lease (see `accept_leased`)."""
         record = self.table.owned(result.lease_id, client_id)
+        return self.accept_leased(client_id, result, record, now)
+
+    def accept_leased(
+        self, client_id: str, result: GroupResult, record: LeaseRecord | None, now: float
+    ) -> str:
+        """Take a finished group whose lease the caller looked up (`record`: the lease as
+        `client_id` holds it, None if it holds none); returns "" or why the group is not
+        accepted (nothing changes then but the count of late results)."""
         if record is None:
             self.counters["late_results_refused"] += 1
             return (
@@ -305,7 +326,9 @@ class BrokerState:
         actor.episodes_done += len(result.episodes)
         if record.eval_round is not None:
             self.counters["eval_groups_accepted"] += 1
-            self._record_eval(record.eval_round, record.task, result.episodes)
+            line = self.validation.record(record.eval_round, record.task, result.episodes)
+            if line is not None:
+                self.metrics.write(line)
             return ""
         self.accepted_groups.add(result.group_id)
         self.counters["groups_accepted"] += 1
@@ -377,87 +400,91 @@ class BrokerState:
 
     # ------------------------------------------------------------ validation
     def _schedule_eval(self) -> None:
-        every, steps = self.cfg.val.every, self.cfg.train.steps
-        if not every:
-            return
-        step = min(self.versions.values())
-        first = 0 if self.cfg.val.at_start else every
-        due = [*range(first, step + 1, every), *([steps] if step >= steps else [])]
-        for s in due:
-            if s not in self.eval_scheduled:
-                self.eval_scheduled.add(s)
-                tasks = self.source.val_tasks(self.cfg.val.num_tasks)
-                self.eval_rounds[s] = EvalRound(s, tasks, self.cfg.val.n, self.cfg.val.k)
-                self.eval_queue.extend((t, s) for t in tasks)
-
-    def _record_eval(self, step: int, task: Task, episodes: list[EpisodeHeader]) -> None:
-        rnd = self.eval_rounds.get(step)
-        if rnd is None:
-            return
-        rnd.record(task, [e.reward for e in episodes], [e.metrics for e in episodes])
-        if rnd.complete:
-            self.metrics.write({"step": step, **rnd.metrics()})
-            del self.eval_rounds[step]
+        """Open the validation rounds due at the models' lowest version."""
+        self.validation.schedule(min(self.versions.values()), self.source.val_tasks)
 
     # ----------------------------------------------------------------- state
-    def lease_accounting(self) -> dict[str, int]:
-        """Every issued lease ended exactly one way (or is still out): `balanced` must be 1."""
-        c = self.counters
-        ended = {
-            "accepted": c["groups_accepted"] + c["eval_groups_accepted"],
-            "reissued": c["leases_reissued"],
-            "handed_back": c["leases_handed_back"],
-            "expired": c["leases_expired"],
-            "requeued_on_resume": c["leases_requeued_on_resume"],
-            "outstanding": len(self.table.leases),
-        }
-        ended["issued"] = c["leases_issued"]
-        ended["balanced"] = int(
-            c["leases_issued"] == sum(v for k, v in ended.items() if k != "issued")
-        )
-        return ended
-
     @property
     def train_done(self) -> bool:
         return all(v >= self.cfg.train.steps for v in self.versions.values())
 
     @property
     def done(self) -> bool:
-        evals_pending = bool(self.eval_rounds) or (
-            self.cfg.val.every > 0 and self.cfg.train.steps not in self.eval_scheduled
-        )
-        return self.train_done and not evals_pending
+        return self.train_done and not self.validation.pending
 
-    def status(self, now: float) -> StatusReply:
-        actors = [
-            ActorStatus(
-                a.client_id,
-                a.host,
-                a.pid,
-                dict(a.versions),
-                len(a.leases),
-                a.groups_done,
-                a.episodes_done,
-                now - a.last_seen,
-            )
-            for a in self.table.actors.values()
-        ]
-        models = {
-            m: ModelStatus(
-                version=self.versions[m],
-                buffered_groups=len(self.buffers[m].slices),
-                batches_cut=self.buffers[m].batches_cut,
-                learner_ranks=sum(1 for r in self.learners.values() if r.model == m),
-            )
-            for m in self.models
+    # ------------------------------------------------------------ checkpoint
+    def forget_trained(self, covered: Mapping[str, int]) -> None:
+        """Complete learner checkpoints hold each model up to version `covered[model]`:
+        the trained log keeps only the groups trained after them."""
+        self.trained_log[:] = [e for e in self.trained_log if e[1] > covered[e[0]]]
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a resume needs, JSON-able. Work no learner checkpoint holds is saved as
+        tasks to requeue: `pending` (groups leased out, buffered, or cut but not trained,
+        as [group id, task id]) and the trained log (model, version, group id, task id)."""
+        pending = self.table.training_groups()
+        for buf in self.buffers.values():
+            pending |= buf.untrained_groups()
+        return {
+            "run_id": self.run_id,
+            "versions": dict(self.versions),
+            "source": self.source.state(),
+            "pending": sorted([g, t] for g, t in pending.items()),
+            "trained_log": [list(e) for e in self.trained_log],
+            "trained_groups": {m: sorted(g) for m, g in self.trained_groups.items()},
+            "accepted_groups": sorted(self.accepted_groups),
+            "counters": dict(self.counters),
+            **self.table.snapshot(),
+            "eval": self.validation.snapshot(),
+            **self.metrics.snapshot(),
         }
-        return StatusReply(
-            run_id=self.run_id,
-            uptime_s=now - self.started,
-            actors=actors,
-            models=models,
-            queued_tasks=len(self.eval_queue),
-            in_flight_groups=self.table.in_flight(),
-            counters=dict(self.counters),
-            done=self.done,
-        )
+
+    def restore(self, snap: Mapping[str, Any], versions: dict[str, int]) -> None:
+        """Put a `snapshot` into this freshly built state, every model continuing at its
+        version in `versions` (at most the snapshot's; drmas/broker/checkpoint.py chooses).
+        The groups the learners' checkpoints do not hold come back as tasks, oldest first,
+        before the task cursor moves on; validation rounds after the lowest version are
+        redone."""
+        self.source.load_state(snap["source"])
+        requeued = self._requeue_unheld(snap, versions)
+        self._restore_training(snap, versions)
+        self._restore_counters(snap, len(requeued))
+        self.table.restore(snap)
+        self.validation.restore(snap["eval"], min(versions.values()), self.source.val_tasks())
+        self.metrics.restore(versions)
+        log.info(
+            "broker resumed: versions %s, cursor epoch %d index %d, %d leases were in flight, "
+            "requeued tasks %s",
+            versions, snap["source"]["epoch"], snap["source"]["index"], snap["outstanding_leases"],
+            json.dumps([requeued[g] for g in sorted(requeued)]),
+        )  # fmt: skip
+
+    def _requeue_unheld(self, snap: Mapping[str, Any], versions: dict[str, int]) -> dict[int, str]:
+        """Put back the tasks of groups pending at the snapshot or trained after a model's
+        resumed version, in group order; returns them (group id -> task id)."""
+        requeue = {int(g): t for g, t in snap["pending"]}
+        requeue |= {int(g): t for m, v, g, t in snap["trained_log"] if v > versions[m]}
+        tasks = {t.task_id: t for t in self.source.train}
+        for group_id in sorted(requeue, reverse=True):  # requeue() puts in front: oldest first
+            self.source.requeue(tasks[requeue[group_id]])
+        return requeue
+
+    def _restore_training(self, snap: Mapping[str, Any], versions: dict[str, int]) -> None:
+        """Versions, batches cut and groups trained, as of `versions`: a group trained after
+        its model's resumed version is forgotten (it is served again as a new group)."""
+        self.versions.update(versions)
+        for m, buf in self.buffers.items():
+            buf.restore(versions[m])
+            retrain = {g for mm, v, g, _ in snap["trained_log"] if mm == m and v > versions[m]}
+            self.trained_groups[m] = set(snap["trained_groups"][m]) - retrain
+        self.accepted_groups = set(snap["accepted_groups"])
+        self.trained_log.clear()
+
+    def _restore_counters(self, snap: Mapping[str, Any], requeued: int) -> None:
+        """The run's counters go on; the leases out at the snapshot count as requeued, so
+        lease accounting still balances."""
+        self.counters.clear()
+        self.counters.update(snap["counters"])
+        self.counters["leases_requeued_on_resume"] += int(snap["outstanding_leases"])
+        self.counters["groups_requeued_on_resume"] += requeued
+        self.counters["resumes"] += 1

@@ -5,5 +5,5 @@ read back by `drmas train run.resume=RUN_DIR` (and the per-role commands).
 
     store.py          folders on disk: manifest written last, atomic rename, keep-N rotation
     (drmas/learners/checkpoint.py: DCP save/load of one learner group, in these folders)
-    broker_state.py   the broker's snapshot/restore: cursor, versions, counters, requeues
+    (drmas/broker/checkpoint.py: the broker's snapshot/restore, broker.json in the root)
 """

@@ -9,7 +9,7 @@ Layout under the checkpoint root (`checkpoint.dir`, default RUN_DIR/checkpoints)
     <model>/.tmp-step-000012/       a save in progress (never read)
     <model>/.set-aside-*/           a checkpoint of a history that resume abandoned (never
                                     read; deleted at the next rotation)
-    broker.json                     the broker's state (drmas/checkpoints/broker_state.py)
+    broker.json                     the broker's state (drmas/broker/checkpoint.py)
 
 Who writes: learner ranks (drmas/learners/checkpoint.py) and the broker. Who reads: the
 broker on resume (to choose each model's version), learners on resume (to load it), the

@@ -14,7 +14,7 @@ children cleanly.
 Resume: `drmas train run.resume=RUN_DIR [key=value ...]` continues in RUN_DIR with the
 run's own config.yaml, the command line's overrides applied on top (a finished run says
 so and how to extend it). The broker restores its state and chooses each model's
-checkpoint (drmas/checkpoints/broker_state.py), the learners load it, and the actors,
+checkpoint (drmas/broker/checkpoint.py), the learners load it, and the actors,
 which start from the model folders, get the resumed weights by the broker's re-publish
 (the same path as an actor that attaches mid-run; the digest check covers it).
 """
@@ -170,7 +170,8 @@ def resumed_config(cfg: DrmasConfig, overrides: list[str] | None = None) -> Drma
 def finished_message(cfg: DrmasConfig, run_dir: Path) -> str:
     """ "" unless every model of the run being resumed is already at train.steps: then
     what to run to train it further."""
-    from drmas.checkpoints import broker_state, store
+    from drmas.broker import checkpoint as broker_state
+    from drmas.checkpoints import store
 
     root = store.root_for(run_dir, cfg.checkpoint.dir)
     try:
@@ -190,7 +191,8 @@ def finished_message(cfg: DrmasConfig, run_dir: Path) -> str:
 
 def resume_hint(cfg: DrmasConfig, run_dir: Path) -> str:
     """What to run to continue, and from which checkpoint of each model."""
-    from drmas.checkpoints import broker_state, store
+    from drmas.broker import checkpoint as broker_state
+    from drmas.checkpoints import store
 
     root = store.root_for(run_dir, cfg.checkpoint.dir)
     try:

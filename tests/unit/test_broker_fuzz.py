@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from drmas.broker.server import BrokerServer
+from drmas.broker.status import lease_accounting
 from drmas.config import load_config
 from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode, pack_ids, pack_logprobs
 from drmas.protocol.messages import (
@@ -182,12 +183,12 @@ def test_any_message_sequence_keeps_the_broker_alive_counted_and_bounded(
             assert counters["refused/internal"] == 0, counters
             refusals = sum(v for k, v in counters.items() if k.startswith("refused/"))
             assert refusals == sum(isinstance(r, ErrorReply) for _, r in sent)
-            assert st_.lease_accounting()["balanced"] == 1
+            assert lease_accounting(st_)["balanced"] == 1
             assert len(st_.learners) <= len(MODELS) * 3
             assert len(st_.table.actors) <= len(IDS)
             assert len(st_.weights.loaded_digest) <= 3 * len(MODELS)
             assert len(st_.metrics.pending) <= cfg.train.steps + 2
-            assert len(st_.eval_queue) <= cfg.val.num_tasks * (cfg.train.steps // 2 + 1)
+            assert len(st_.validation.queue) <= cfg.val.num_tasks * (cfg.train.steps // 2 + 1)
             assert all(0 <= v <= cfg.train.steps for v in st_.versions.values())
     finally:
         server.ctx.term()

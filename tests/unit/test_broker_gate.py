@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
+import selectors
+import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,28 +17,37 @@ import msgpack
 import pytest
 import zmq
 
+from drmas.broker.connections import ConnectionCap
 from drmas.broker.server import BrokerServer
+from drmas.broker.status import lease_accounting
 from drmas.config import load_config
-from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode
+from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode, pack_ids, pack_logprobs
 from drmas.protocol.codec import ProtocolError, decode_to_broker
 from drmas.protocol.messages import (
+    Accepted,
     BatchRequest,
+    Episode,
     ErrorReply,
     Goodbye,
+    GroupResult,
     Heartbeat,
     Hello,
     JoinWeightGroup,
+    Lease,
     LeaseRequest,
     LeaseReturn,
+    Leases,
     NoBatch,
     PublishDone,
     PublishRequest,
     StatusReply,
     StatusRequest,
+    Step,
     StepReport,
     WeightGroupPlan,
     WeightsLoaded,
     Welcome,
+    pack_group,
 )
 
 
@@ -159,7 +171,7 @@ def test_an_actor_cannot_plan_a_publish_or_report_steps(server: BrokerServer) ->
     forger.send(BatchRequest("forger", "solver", 0, 1, 0))
     for _ in range(3):
         assert refused(forger.next(), "forbidden")
-    assert st.versions == {"solver": 0, "verifier": 0} and not st.eval_queue
+    assert st.versions == {"solver": 0, "verifier": 0} and not st.validation.queue
     assert st.counters["weight_publishes"] == 0
 
 
@@ -297,6 +309,44 @@ def test_an_internal_error_is_refused_counted_and_logged_once(
     assert isinstance(actor.ask(StatusRequest()), StatusReply)
 
 
+def group(lease: Lease, token: int = 3) -> GroupResult:
+    """A finished group for `lease` whose responses are `token` (the vocabulary is 64)."""
+    steps = [Step(agent, agent, pack_ids([1, 2]), pack_ids([token]), pack_logprobs([-0.5]), 0,
+                  True, "stop") for agent in ("solver", "verifier")]  # fmt: skip
+    return pack_group("a", lease.lease_id, lease.group_id, [Episode(steps, 1.0)] * 2)
+
+
+def test_a_group_failing_validation_is_refused_then_its_lease_handed_back(
+    server: BrokerServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    st = server.state
+    actor = Peer(server, "a")
+    assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
+    leases = actor.ask(LeaseRequest("a", 2, {}))
+    assert isinstance(leases, Leases) and len(leases.leases) == 2
+    bad, good = leases.leases
+    lookups: list[tuple[int, str]] = []
+    owned = st.table.owned
+    monkeypatch.setattr(st.table, "owned", lambda *a: lookups.append(a) or owned(*a))
+    seen = st.table.actors["a"].last_seen
+    assert refused(actor.ask(group(bad, token=999)), "invalid")  # outside the vocabulary
+    assert lookups == [(bad.lease_id, "a")]  # the lease is looked up once per group
+    assert st.table.actors["a"].last_seen == seen  # nothing changed before the refusal...
+    c = st.counters  # ...then the lease was handed back, its task first in line again
+    assert (c["refused/invalid"], c["groups_invalid"], c["leases_handed_back"]) == (1, 1, 1)
+    assert bad.lease_id not in st.table.leases and c["groups_accepted"] == 0
+    assert st.source.next_task().task_id == bad.task.task_id
+    reply = actor.ask(group(good))
+    assert isinstance(reply, Accepted) and reply.accepted and len(lookups) == 2
+    late = actor.ask(group(bad))  # the handed-back lease: answered, not refused
+    assert isinstance(late, Accepted) and not late.accepted and "not held" in late.reason
+    assert c["late_results_refused"] == 1 and c["refused/invalid"] == 1
+    seen = st.table.actors["a"].last_seen
+    assert refused(actor.ask(LeaseRequest("a", 0, {})), "invalid")  # max_groups 1..1024
+    assert st.table.actors["a"].last_seen == seen and c["leases_issued"] == 2
+    assert lease_accounting(st)["balanced"] == 1
+
+
 def test_a_weight_group_plan_names_only_registered_actors(server: BrokerServer) -> None:
     learner, actor = Peer(server, "L"), Peer(server, "a")
     assert isinstance(learner.hello("learner", ["solver"]), Welcome)
@@ -310,40 +360,66 @@ def test_a_weight_group_plan_names_only_registered_actors(server: BrokerServer) 
     assert server.state.counters["weight_digest_match"] == 1
 
 
+def wait_for(cap: ConnectionCap, done: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Handle the cap's monitor events as they arrive until `done()` (False at the deadline)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if cap.monitor.poll(max(1, int(left * 1000))):  # wakes on the next event
+            cap.poll()
+    return True
+
+
+def hung_up(socks: list[socket.socket], want: int, timeout: float = 10.0) -> int:
+    """How many of `socks` saw the broker hang up: read them as data arrives until `want`
+    did (or the deadline), then count those whose hang-up has already arrived too."""
+    sel = selectors.DefaultSelector()
+    for s in socks:
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ)
+    closed = 0
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            wait = max(left, 0.0) if closed < want else 0.0  # then one last look, no wait
+            ready = sel.select(wait)
+            for key, _ in ready:
+                try:
+                    data = key.fileobj.recv(4096)  # type: ignore[union-attr]
+                except ConnectionResetError:
+                    data = b""
+                if not data:  # end of stream: the broker closed it
+                    closed += 1
+                    sel.unregister(key.fileobj)
+            if not ready and (closed >= want or left <= 0):
+                return closed
+    finally:
+        sel.close()
+
+
 def test_connections_beyond_the_per_host_cap_are_closed(tmp_path: Path) -> None:
     """3,000 idle connections used to stay open (+80 MB); now a host holds at most
     broker.max_connections_per_host and the rest are closed as they arrive."""
-    import socket
-
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"vocab_size": 64}))
     cfg = load_config([f"models.solver.path={folder}", f"models.verifier.path={folder}",
                        "val.every=0", "broker.max_connections_per_host=20"])  # fmt: skip
     srv = BrokerServer(cfg, None)
+    cap = srv.connections
     host, port = srv.address.removeprefix("tcp://").rsplit(":", 1)
     idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(60)]
     try:
-        deadline = time.monotonic() + 10
-        while srv.connections.refused < 40 and time.monotonic() < deadline:
-            srv.connections.poll()
-            time.sleep(0.02)
-        assert srv.connections.refused == 40 and srv.connections.per_host["127.0.0.1"] == 20
-        closed = 0
-        for s in idle:  # the refused ones see the broker hang up
-            s.settimeout(0.3)  # well inside libzmq's own 30 s handshake limit
-            try:
-                while s.recv(4096):
-                    pass
-                closed += 1
-            except TimeoutError:
-                pass
-        assert closed == 40
+        assert wait_for(cap, lambda: cap.refused >= 40)
+        assert cap.refused == 40 and cap.per_host["127.0.0.1"] == 20
+        assert hung_up(idle, 40) == 40  # the refused ones see the broker hang up, no others
         for s in idle[:10]:  # room again once some leave
             s.close()
-        time.sleep(0.3)
-        srv.connections.poll()
-        assert srv.connections.per_host["127.0.0.1"] == 10
+        assert wait_for(cap, lambda: cap.per_host["127.0.0.1"] <= 10)
+        assert cap.per_host["127.0.0.1"] == 10
         peer = Peer(srv, "ops")
         assert isinstance(peer.ask(StatusRequest()), StatusReply)
     finally:

@@ -121,7 +121,10 @@ def test_every_accepted_group_is_trained_once_per_model():
 
 def test_actor_must_serve_every_model():
     st = make_state()
-    assert "missing ['verifier']" in st.add_actor("a", "h", 1, ["solver"], 0.0)
+    assert "missing ['verifier']" in st.actor_refusal(["solver"])
+    with pytest.raises(ValueError, match="missing"):  # the gate asks first; this is a bug
+        st.add_actor("a", "h", 1, ["solver"], 0.0)
+    assert not st.table.actors and not st.counters
 
 
 @pytest.mark.parametrize("mode", ["global", "agent"])
@@ -324,10 +327,10 @@ def test_validation_rounds_are_every_n_steps_the_end_and_step_0_unless_switched_
 ):
     st = make_state("val.every=2", f"val.at_start={str(at_start).lower()}", "val.num_tasks=2")
     st._schedule_eval()
-    assert sorted(st.eval_scheduled) == ([0] if at_start else [])  # before any step
+    assert sorted(st.validation.scheduled) == ([0] if at_start else [])  # before any step
     st.versions = {"solver": 3, "verifier": 3}
     st._schedule_eval()
-    assert sorted(st.eval_scheduled) == rounds
+    assert sorted(st.validation.scheduled) == rounds
 
 
 def test_nothing_is_published_to_actors_after_shutdown():
@@ -360,7 +363,7 @@ def test_a_models_weight_group_is_kept_while_members_and_store_are():
     first = publish(1)
     assert publish(2) == first and publish(3) == first  # same members, same store
     assert st.weights.plan("verifier", 1, "h:9", 0.0)[0].group_name != first  # per model
-    assert st.add_actor("c", "h", 3, ["solver", "verifier"], 0.0) == ""  # a new membership
+    st.add_actor("c", "h", 3, ["solver", "verifier"], 0.0)  # a new membership
     second = publish(4)
     assert second != first and publish(5) == second
     store = "h:2"  # a restarted learner has a new store

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from drmas.broker import checkpoint as broker_checkpoint
 from drmas.broker.state import BrokerState
-from drmas.checkpoints import broker_state, store
+from drmas.broker.status import lease_accounting
+from drmas.checkpoints import store
 from drmas.config import load_config
 from drmas.config.task import TaskConfig
 from drmas.protocol import pack_ids, pack_logprobs
@@ -131,15 +133,15 @@ def test_broker_snapshot_restore_round_trip(tmp_path: Path) -> None:
     probe = TaskSource(st.cfg.task)
     probe.load_state(st.source.state())
     future = [probe.next_task().task_id for _ in range(3)]  # what the cursor gives next
-    snap = json.loads(json.dumps(broker_state.snapshot(st, tmp_path)))
+    snap = json.loads(json.dumps(broker_checkpoint.snapshot(st, tmp_path)))
     assert snap["versions"] == {"solver": 3, "verifier": 3}
     assert snap["covered"] == {"solver": 2, "verifier": 2}
     assert len(snap["trained_log"]) == 4  # the two v3 groups of each model
 
-    versions = broker_state.choose_versions(snap, tmp_path, ["solver", "verifier"])
+    versions = broker_checkpoint.choose_versions(snap, tmp_path, ["solver", "verifier"])
     assert versions == {"solver": 2, "verifier": 2}
     fresh = make_state()
-    broker_state.restore(fresh, snap, versions)
+    fresh.restore(snap, versions)
     assert fresh.versions == versions
     assert {m: b.batches_cut for m, b in fresh.buffers.items()} == versions
     # what v3 trained, what was buffered and what was in flight comes back first, in group
@@ -150,12 +152,14 @@ def test_broker_snapshot_restore_round_trip(tmp_path: Path) -> None:
     assert not set(served) & set(trained)  # nothing the checkpoints hold comes again
     for model in ("solver", "verifier"):
         assert len(fresh.trained_groups[model]) == 4  # groups of v1 and v2 only
-    assert fresh.table._next_group == st.table._next_group  # new groups get new ids
+    next_group = fresh.table.snapshot()["next_group"]
+    assert next_group == st.table.snapshot()["next_group"]  # new groups get new ids
     assert fresh.counters["leases_issued"] == st.counters["leases_issued"]
     assert fresh.counters["leases_requeued_on_resume"] == 3  # 2 validation + 1 training
-    assert fresh.lease_accounting()["balanced"] == 1
-    assert [t.task_id for t, s in fresh.eval_queue] == [x.task.task_id for x in val_leases[1:]]
-    assert fresh.eval_scheduled == {0} and len(fresh.eval_rounds[0].successes) == 1
+    assert lease_accounting(fresh)["balanced"] == 1
+    val = fresh.validation
+    assert [t.task_id for t, s in val.queue] == [x.task.task_id for x in val_leases[1:]]
+    assert val.scheduled == {0} and len(val.rounds[0].successes) == 1
     assert set(range(3)) <= fresh.metrics.flushed  # a re-publish of v2 is not a new line
 
 
@@ -163,17 +167,17 @@ def test_resume_prefers_checkpoints_the_broker_state_knows(tmp_path: Path) -> No
     snap = {"versions": {"solver": 4, "verifier": 3}, "covered": {"solver": 2, "verifier": 0}}
     for v in (2, 4, 6):  # v6 completed after the snapshot: its trained groups are unknown
         fake_checkpoint(tmp_path / "solver", v)
-    chosen = broker_state.choose_versions(snap, tmp_path, ["solver", "verifier"])
+    chosen = broker_checkpoint.choose_versions(snap, tmp_path, ["solver", "verifier"])
     assert chosen == {"solver": 4, "verifier": 0}
     snap["covered"]["solver"] = 5
     with pytest.raises(FileNotFoundError, match="no complete checkpoint of solver"):
-        broker_state.choose_versions(snap, tmp_path, ["solver", "verifier"])
+        broker_checkpoint.choose_versions(snap, tmp_path, ["solver", "verifier"])
 
 
 def test_rewind_moves_later_metrics_lines_aside(tmp_path: Path) -> None:
     lines = [{"step": s, "x": s} for s in (1, 2, 0, 3, 4)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    broker_state.rewind_metrics(tmp_path, 2)
+    broker_checkpoint.rewind_metrics(tmp_path, 2)
     kept = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     moved = (tmp_path / "metrics.rewound.jsonl").read_text().splitlines()
     assert kept == [1, 2, 0] and [json.loads(x)["step"] for x in moved] == [3, 4]
@@ -322,8 +326,8 @@ def test_models_resumed_at_different_versions_get_every_step_line_again(tmp_path
     st = make_state()
     sink = Sink()
     st.metrics = StepMetrics(sink, ["solver", "verifier"])  # type: ignore[arg-type]
-    snap = json.loads(json.dumps(broker_state.snapshot(st, tmp_path)))
-    broker_state.restore(st, snap, {"solver": 2, "verifier": 0})
+    snap = json.loads(json.dumps(broker_checkpoint.snapshot(st, tmp_path)))
+    st.restore(snap, {"solver": 2, "verifier": 0})
     assert st.metrics.flushed == {0}
     st.metrics.report(2, "solver", "publish", {}, {})  # its re-sync publish: no line
     for step in (1, 2, 3):

@@ -1,13 +1,17 @@
-"""The broker's checkpoint: snapshot and restore of BrokerState (drmas/broker/state.py).
+"""The broker's checkpoint file: BrokerState's snapshot (drmas/broker/state.py) on disk,
+and the choice of where each model resumes.
 
 Written by the broker (drmas/broker/server.py) to CHECKPOINT_ROOT/broker.json, atomically
 (temp file + os.replace): when a model reports a step that is a multiple of
 `checkpoint.every`, and when the broker stops (end of run, or brought down because a
-learner died). Read back by the broker on `run.resume`.
+learner died). Read back by the broker on `run.resume`, and by `drmas train` (drmas/launch/
+train.py) to say what a resume would continue from.
 
-What is saved: the task source's cursor (epoch, index, seed, requeued tasks), model
-versions, counters, group ids trained per model, the next lease/group ids, the validation
-rounds and the last metrics step.
+What is saved (each part by its owner's `snapshot()`, put back by its `restore()`): the
+task source's cursor (epoch, index, seed, requeued tasks), model versions, counters,
+group ids trained per model, the next lease/group ids (drmas/broker/leases.py), the
+validation rounds (drmas/broker/evaluation.py) and the last metrics step; this module adds
+the format, the time and `covered` (each model's newest complete learner checkpoint).
 
 Consistency with the learners' checkpoints (each model saves its own, asynchronously):
 on resume each model continues from the version v_m of its newest complete checkpoint
@@ -39,7 +43,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from drmas.broker.evaluation import EvalRound
 from drmas.checkpoints import store
 
 if TYPE_CHECKING:
@@ -75,7 +78,7 @@ class BrokerCheckpoints:
     def restore(self, state: BrokerState) -> None:
         """On resume: load the snapshot into a freshly built `state`."""
         if self.resumed is not None:
-            restore(state, self.resumed, self.versions)
+            state.restore(self.resumed, self.versions)
 
     def after_step(self, state: BrokerState, model: str, version: int) -> None:
         if self.every and version % self.every == 0:
@@ -96,40 +99,12 @@ class BrokerCheckpoints:
 
 # ---------------------------------------------------------------------- snapshot
 def snapshot(state: BrokerState, root: Path) -> dict[str, Any]:
-    """JSON-able state. Prunes `state.trained_log` to what no complete checkpoint covers."""
+    """The file's content: `state`'s snapshot, what the learners' checkpoints under `root`
+    cover, format and time. Prunes the state's trained log to what no complete checkpoint
+    covers (those groups never need to be trained again)."""
     covered = {m: _latest_version(root / m) for m in state.models}
-    state.trained_log[:] = [e for e in state.trained_log if e[1] > covered[e[0]]]
-    pending: dict[int, str] = {}  # group id -> task id, not trained by any model yet
-    for record in state.table.leases.values():
-        if record.eval_round is None:
-            pending[record.lease.group_id] = record.task.task_id
-    for buf in state.buffers.values():
-        for part in [*buf.slices, *(p for b in buf.cut.values() for p in b.slices)]:
-            pending[part.group_id] = part.task.task_id
-    return {
-        "format": FORMAT,
-        "time": time.time(),
-        "run_id": state.run_id,
-        "versions": dict(state.versions),
-        "covered": covered,
-        "source": state.source.state(),
-        "pending": sorted([g, t] for g, t in pending.items()),
-        "trained_log": [list(e) for e in state.trained_log],
-        "trained_groups": {m: sorted(g) for m, g in state.trained_groups.items()},
-        "accepted_groups": sorted(state.accepted_groups),
-        "counters": dict(state.counters),
-        "outstanding_leases": len(state.table.leases),
-        "next_lease": state.table._next_lease,
-        "next_group": state.table._next_group,
-        "eval": {
-            "scheduled": sorted(state.eval_scheduled),
-            "rounds": {
-                str(s): {"task_ids": [t.task_id for t in r.tasks], "successes": r.successes}
-                for s, r in state.eval_rounds.items()
-            },
-        },
-        "metrics_step": max(state.metrics.flushed, default=0),
-    }
+    state.forget_trained(covered)
+    return {"format": FORMAT, "time": time.time(), "covered": covered, **state.snapshot()}
 
 
 def read_snapshot(path: Path) -> dict[str, Any]:
@@ -173,61 +148,6 @@ def choose_versions(snap: dict[str, Any], root: Path, models: list[str]) -> dict
                 f"in {root / m}; the checkpoint folder does not match the broker state"
             )
     return chosen
-
-
-def restore(state: BrokerState, snap: dict[str, Any], versions: dict[str, int]) -> None:
-    """Put `snap` into a freshly built `state`, continuing every model at `versions`."""
-    state.source.load_state(snap["source"])
-    retrain = {m: {g for mm, v, g, _ in snap["trained_log"] if mm == m and v > versions[m]}
-               for m in state.models}  # fmt: skip
-    requeue = {int(g): t for g, t in snap["pending"]}
-    requeue |= {int(g): t for m, v, g, t in snap["trained_log"] if v > versions[m]}
-    tasks = {t.task_id: t for t in state.source.train}
-    for group_id in sorted(requeue, reverse=True):  # requeue() puts in front: oldest first
-        state.source.requeue(tasks[requeue[group_id]])
-    state.versions.update(versions)
-    for m, buf in state.buffers.items():
-        buf.batches_cut = versions[m]
-        state.trained_groups[m] = set(snap["trained_groups"][m]) - retrain[m]
-    state.accepted_groups = set(snap["accepted_groups"])
-    state.counters.clear()
-    state.counters.update(snap["counters"])
-    state.counters["leases_requeued_on_resume"] += int(snap["outstanding_leases"])
-    state.counters["groups_requeued_on_resume"] += len(requeue)
-    state.counters["resumes"] += 1
-    state.table._next_lease = int(snap["next_lease"])
-    state.table._next_group = int(snap["next_group"])
-    state.trained_log.clear()
-
-    step = min(versions.values())  # validation rounds of steps after it are redone
-    val = {t.task_id: t for t in state.source.val_tasks()}
-    state.eval_scheduled = {s for s in snap["eval"]["scheduled"] if s <= step}
-    state.eval_rounds.clear()
-    state.eval_queue.clear()
-    for key, saved in sorted(snap["eval"]["rounds"].items(), key=lambda kv: int(kv[0])):
-        s = int(key)
-        if s > step:
-            continue
-        tasks_of_round = [val[t] for t in saved["task_ids"]]
-        rnd = EvalRound(s, tasks_of_round, state.cfg.val.n, state.cfg.val.k)
-        rnd.successes = {k: int(v) for k, v in saved["successes"].items()}
-        state.eval_rounds[s] = rnd
-        state.eval_queue.extend((t, s) for t in tasks_of_round if t.task_id not in rnd.successes)
-    # Lines up to the lowest resumed version stay (later ones were moved to
-    # metrics.rewound.jsonl); a step between the lowest and a model's own version is
-    # written again once the models behind report it: the models already past it count
-    # as reported (their re-publish on resume is not a new line either).
-    state.metrics.flushed.update(range(step + 1))
-    for s in range(step + 1, max(versions.values()) + 1):
-        state.metrics.reported[s] = {
-            (m, part) for m, v in versions.items() if v >= s for part in ("step", "publish")
-        }
-    log.info(
-        "broker resumed: versions %s, cursor epoch %d index %d, %d leases were in flight, "
-        "requeued tasks %s",
-        versions, snap["source"]["epoch"], snap["source"]["index"], snap["outstanding_leases"],
-        json.dumps([requeue[g] for g in sorted(requeue)]),
-    )  # fmt: skip
 
 
 def rewind_metrics(run_dir: Path, step: int) -> None:
