@@ -28,14 +28,34 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from drmas.config import ConfigError, DrmasConfig, to_yaml
 from drmas.launch.placement import Placement, plan_placement, visible_gpus
 from drmas.launch.progress import Progress
 from drmas.launch.supervisor import Supervisor
-from drmas.plugins import team_class
+from drmas.teams.resolve import resolve
 from drmas.threads import env_threads
 from drmas.transports.ports import free_port
+
+if TYPE_CHECKING:
+    from drmas.teams.base import Team
+
+
+def check_run(cfg: DrmasConfig) -> type[Team]:
+    """What every role of the run will load, checked before any process starts: the team,
+    its tools and reward, the task source, and the broker's trackers. Returns the team."""
+    from drmas.broker.trackers import missing_packages
+
+    team = resolve(cfg, "run")
+    assert team is not None
+    absent = missing_packages(list(cfg.logger))
+    if absent:
+        raise ConfigError(
+            f"logger={list(cfg.logger)}: {absent} not installed here; pip install "
+            "'drmas[trackers]' (tensorboardX, wandb, mlflow-skinny)"
+        )
+    return team
 
 
 def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path, Placement | None]:
@@ -45,6 +65,7 @@ def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path, Placement | None]:
     from drmas.models.builtin import resolve_model_path
     from drmas.transports.security import check_bind, check_keys, keys_dir
 
+    team = check_run(cfg)
     # fail before building anything; children read keys_dir from config.yaml: absolute
     security = dataclasses.replace(cfg.security, keys_dir=str(keys_dir(cfg.security)))
     check_bind(cfg.broker.address, security)
@@ -64,7 +85,7 @@ def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path, Placement | None]:
         )
         for name, m in cfg.models.items()
     }
-    retriever = team_class(cfg.workflow).prepare(cfg).retriever
+    retriever = team.prepare(cfg).retriever
     address = cfg.broker.address
     if address.endswith(":0"):
         host = address.rsplit(":", 1)[0]
@@ -72,6 +93,7 @@ def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path, Placement | None]:
     resolved = dataclasses.replace(
         cfg,
         run=dataclasses.replace(cfg.run, dir=str(run_dir)),
+        workflow=dataclasses.replace(cfg.workflow, name=team.name),  # what logs call it
         models=models,
         broker=dataclasses.replace(cfg.broker, address=address),
         security=security,
