@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vllm not installed (see README: Engines)")
+pytest.importorskip("vllm", reason="vllm not installed (see docs/engines.md)")
 
 from drmas.actors.engines import make_engine
 from drmas.actors.engines.base import GenerateRequest, GenerateResult
