@@ -61,7 +61,7 @@ from drmas.protocol.messages import (
     Welcome,
 )
 from drmas.tasks.source import TaskSource
-from drmas.teams.resolve import team_class
+from drmas.teams.resolve import resolve
 from drmas.transports.channel import bind_router
 from drmas.transports.security import key_roles, keys_dir
 
@@ -88,6 +88,8 @@ def vocab_sizes(cfg: DrmasConfig) -> dict[str, int]:
 class BrokerServer:
     def __init__(self, cfg: DrmasConfig, run_dir: Path | None = None) -> None:
         self.cfg = cfg
+        team = resolve(cfg, "broker")  # the team and task source: checked, then loaded
+        assert team is not None
         self.checkpoints = BrokerCheckpoints(cfg, run_dir)  # on resume: reads, rewinds metrics
         sink: FanOut | NullSink = NullSink()
         if run_dir:
@@ -105,7 +107,7 @@ class BrokerServer:
             max_response_tokens=cfg.sampling.max_new_tokens,
             # a bound on the team's calls per episode: a runaway team is refused rather than
             # trained on
-            max_steps_per_episode=team_class(cfg.workflow).max_steps_per_episode(cfg.workflow),
+            max_steps_per_episode=team.max_steps_per_episode(cfg.workflow),
         )
         self.gate = Gate(self.state, limits)
         self.cpu = self.state.metrics.cpu

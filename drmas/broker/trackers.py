@@ -21,13 +21,15 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from drmas.broker.metrics import JsonlSink
+from drmas.config.types import TrackerName
 
 log = logging.getLogger("drmas.broker")
 
-TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+TRACKERS = get_args(TrackerName)
+"""Every tracker `logger` may name (the one list is the config's TrackerName)."""
 _PACKAGES = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow"}
 
 
