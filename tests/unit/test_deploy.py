@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -85,3 +86,27 @@ def test_slurm_launch_config_composes_with_the_submitit_launcher() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "SlurmLauncher" in out.stdout and "tasks_per_node: 1" in out.stdout
+
+
+SLURM_TASK = {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_JOB_NODELIST": "gpu01"}
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("critic", r"model='critic' is not one of the run's models"),
+        ("solver", r"this job has 3 tasks but model 'solver' has 1 learner ranks: set "
+         r"hydra\.launcher\.tasks_per_node"),
+    ],
+)  # fmt: skip
+def test_slurm_learner_task_refuses_a_job_that_does_not_fit_the_model(
+    monkeypatch: pytest.MonkeyPatch, model: str, message: str
+) -> None:
+    from drmas.launch.slurm import learner_task
+
+    for name, value in SLURM_TASK.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match=message):
+        learner_task(load_config([]), model)
+    assert "RANK" not in os.environ  # refused before the rank's environment was set
