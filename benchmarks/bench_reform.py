@@ -14,9 +14,10 @@ reports back, i.e. the equivalent of its WeightsLoaded:
     + SimEngine.load_weights on every actor (consumes the tensors into the digest)
     + weights_digest() and the reply over the pipe.
 
-Every publish forms a fresh group (drmas/transports/weights.py), so an actor attaching
-between versions costs exactly one such re-formation with the larger membership; the
-first publish of each size is a warm-up and not counted. Not included: the broker's
+This benchmark forms a fresh group for every publish: what a run pays when membership
+changes (an actor attaching between versions re-forms its model's group with the larger
+membership; a kept group costs less, see bench_weight_publish.py; drmas/transports/weights/).
+The first publish of each size is a warm-up and not counted. Not included: the broker's
 message hops (sub-millisecond on loopback) and gathering FSDP shards on the learner.
 Median and min over --reps publishes. All processes share this machine's cores.
 """

@@ -4,7 +4,7 @@ Talks to the broker only (DEALER, drmas/transports/channel.py):
   -> Hello, LeaseRequest, GroupResult, Heartbeat, WeightsLoaded, Goodbye
   <- Welcome, Leases, Accepted, JoinWeightGroup, Shutdown
 and receives weights from each model's learner rank 0 over a torch.distributed group
-(drmas/transports/weights.py) when the broker sends JoinWeightGroup; an engine whose model
+(drmas/transports/weights/) when the broker sends JoinWeightGroup; an engine whose model
 runs in other processes (vllm: engines.ReceivesWeights) joins that group from its workers.
 
 One asyncio loop: every episode of every held lease is a coroutine that awaits its

@@ -1,6 +1,6 @@
 """Weight publishing as the broker sees it: who receives which version of each model, and
 whether they hold it bit for bit. Weights never pass through here (learner rank 0 sends
-them over torch.distributed, drmas/transports/weights.py); this plans the groups and
+them over torch.distributed, drmas/transports/weights/); this plans the groups and
 keeps the books.
 
 Owned by BrokerState (drmas/broker/state.py), which hands it the actor registry, the
@@ -12,7 +12,7 @@ whether to re-publish.
 Weight groups persist: a model's publishes go to the same group (the same name) while
 its members and its learner's store stay the same and nothing failed, so the learner and
 the actors broadcast over the group they hold instead of forming and tearing down one per
-version (drmas/transports/weights.py). Any change of members, a re-publish to a subset, a
+version (drmas/transports/weights/). Any change of members, a re-publish to a subset, a
 failed publish or load, or a new store starts a new group under a new name.
 
 Bounded: digests are kept for the last three versions of each model only.

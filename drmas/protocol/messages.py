@@ -11,7 +11,7 @@ Who talks to whom (all over ZeroMQ, one broker ROUTER socket, clients use DEALER
     broker  -> client : Welcome, StatusReply, ErrorReply
 
 Weights themselves never travel here: they go learner rank 0 -> actors over a
-torch.distributed group (see drmas/transports/weights.py); these messages only
+torch.distributed group (see drmas/transports/weights/); these messages only
 announce and coordinate it.
 
 Token ids and log-probs are raw little-endian bytes (see arrays.py). This module
