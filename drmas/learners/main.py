@@ -1,6 +1,7 @@
 """The learner process of one model's group: setup -> loop(pull batch, step, publish) -> cleanup.
 
-Started once per rank (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Every rank
+Run once per rank by drmas/learners/entry.py, which places the rank in its group (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun, `drmas train` or Slurm). Every rank
 talks to the broker itself (its own shard, its own heartbeats); rank 0 alone reports steps
 and publishes weights. Decisions that change which collectives run next (train, wait or
 stop; publish to how many actors) are made by rank 0 and broadcast, so every rank always
