@@ -3,7 +3,7 @@ trained weights out again, as full tensors under their HF names.
 
 In: `checkpoint_folder` (a builtin:<name> is built once per cache) and `load_causal_lm`.
 Out: `full_tensors` gathers FSDP2 shards one parameter at a time, for the weight publish to
-the actors (drmas/transports/weights.py) and for `save_hf_folder`, which writes the model
+the actors (drmas/transports/weights/) and for `save_hf_folder`, which writes the model
 at the end of a run as an HF folder a user or an engine loads like any other.
 Used by drmas/learners/trainer.py, whose methods of the same names are the collectives.
 """
