@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from drmas.config.types import NonNegative, NonNegativeFloat, Positive, Precision
+from drmas.config.types import (
+    Fraction,
+    NonNegative,
+    NonNegativeFloat,
+    Positive,
+    PositiveFloat,
+    Precision,
+)
 
 WARMSTART_WORKFLOWS = ("math", "search", "search_queries")
 
@@ -28,6 +35,27 @@ class WarmStartConfig:
     search_queries (the Search Agent's calls only) | package.module:SOURCE (your own
     team's drmas.models.warmstart.TranscriptSource). The defaults above are math's; a
     search run sets its own steps, batch_size and lr."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on a frozen base: each agent bound to the model trains its own adapter
+    (agents.<name>.adapter; agents naming the same adapter share it). rank 0 = none: the
+    whole model trains (full fine-tuning)."""
+
+    rank: NonNegative = 0
+    """r of every adapter of this base; 0 = no adapters, the whole model trains."""
+    alpha: PositiveFloat = 16.0
+    """LoRA scaling numerator: an adapter's update is (alpha / rank) * B @ A."""
+    dropout: Fraction = 0.0
+    """Dropout on an adapter's input (training only)."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    """Names of the linear layers that get adapters (peft's target_modules)."""
+    init_seed: int = 0
+    """Seed of the adapters' initial A matrices, so learners and engines start from the
+    same adapters (B starts at zero, so every adapter starts as the base model)."""
 
 
 @dataclass
@@ -64,6 +92,8 @@ class ModelConfig:
     """Removed (it meant bf16-pure for bfloat16): set `precision` instead."""
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Builtin models only."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Adapters per agent on this model as a frozen base (lora.rank > 0; docs/lora.md)."""
 
 
 def weights_dtype(precision: str) -> str:

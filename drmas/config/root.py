@@ -36,7 +36,11 @@ class AgentConfig:
     model: str = ""
     """Name of the model in `models` this agent's calls use (agents may share one)."""
     lr: PositiveFloat | None = None
-    """Learning rate for this agent's model (only when no other agent shares it)."""
+    """Learning rate for this agent's model, or for its adapter on a LoRA base (agents
+    that share a model without adapters, or share an adapter, must agree)."""
+    adapter: str = ""
+    """On a model with lora.rank > 0: the LoRA adapter this agent trains ("" = one named
+    after the agent); agents naming the same adapter share it."""
 
 
 @dataclass
@@ -144,6 +148,25 @@ class DrmasConfig:
     def world_size_of(self, model: str) -> int:
         return self.models[model].world_size or self.learner.world_size
 
-    def lr_of(self, model: str) -> float:
-        lrs = {a.lr for a in self.agents.values() if a.model == model and a.lr is not None}
+    def lr_of(self, model: str, adapter: str = "") -> float:
+        """The learning rate of `model`, or of one adapter of a LoRA model."""
+        names = self.agents_of(model)
+        if adapter:
+            names = [n for n in names if self.adapter_of(n) == adapter]
+        lrs = {lr for n in names if (lr := self.agents[n].lr) is not None}
         return lrs.pop() if lrs else self.models[model].lr
+
+    def has_adapters(self, model: str) -> bool:
+        """Whether `model` is a frozen base whose agents train LoRA adapters."""
+        return self.models[model].lora.rank > 0
+
+    def adapter_of(self, agent: str) -> str:
+        """The adapter `agent` trains ("" when its model has no adapters)."""
+        binding = self.agents[agent]
+        if not self.has_adapters(binding.model):
+            return ""
+        return binding.adapter or agent
+
+    def adapters_of(self, model: str) -> list[str]:
+        """The adapters of a LoRA base, in the order of the agents that name them."""
+        return list(dict.fromkeys(self.adapter_of(a) for a in self.agents_of(model)))

@@ -34,18 +34,36 @@ def _check_agents(cfg: DrmasConfig) -> None:
                 f"agents.{name}.model={agent.model!r} is not in models {sorted(cfg.models)}"
             )
     for model in cfg.models:
-        users = cfg.agents_of(model)
-        lrs = {lr for a in users if (lr := cfg.agents[a].lr) is not None}
-        if len(lrs) > 1:
-            raise ConfigError(
-                f"agents {users} share model {model!r} but set different lr {sorted(lrs)}; "
-                f"set models.{model}.lr instead"
-            )
+        _check_shared_lr(cfg, model)
     unknown_pools = sorted(set(cfg.actor.pools) - set(cfg.models))
     if unknown_pools:
         raise ConfigError(
             f"actor.pools names {unknown_pools}, which are not in models {sorted(cfg.models)}"
         )
+
+
+def _check_shared_lr(cfg: DrmasConfig, model: str) -> None:
+    """Agents that train the same weights (a model without adapters, or one adapter) must
+    agree on their learning rate; an adapter needs a model with lora.rank > 0."""
+    users = cfg.agents_of(model)
+    for agent in users:
+        if cfg.agents[agent].adapter and not cfg.has_adapters(model):
+            raise ConfigError(
+                f"agents.{agent}.adapter={cfg.agents[agent].adapter!r} but model {model!r} "
+                f"has no adapters: set models.{model}.lora.rank (e.g. 8) to train adapters "
+                "on it as a frozen base"
+            )
+    by_weights: dict[str, list[str]] = {}
+    for agent in users:
+        by_weights.setdefault(cfg.adapter_of(agent), []).append(agent)
+    for adapter, sharing in by_weights.items():
+        lrs = {lr for a in sharing if (lr := cfg.agents[a].lr) is not None}
+        if len(lrs) > 1:
+            what = f"adapter {adapter!r} of model {model!r}" if adapter else f"model {model!r}"
+            raise ConfigError(
+                f"agents {sharing} share {what} but set different lr {sorted(lrs)}; "
+                f"set models.{model}.lr instead"
+            )
 
 
 def _check_models(cfg: DrmasConfig) -> None:
