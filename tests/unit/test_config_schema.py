@@ -170,3 +170,42 @@ def test_overrides_on_a_run_config_set_and_delete(tmp_path: Path) -> None:
         str(tmp_path / "config.yaml"),
     )
     assert cfg.train.steps == 3 and list(cfg.models) == ["solver"]
+
+
+def test_adapters_per_agent_on_a_lora_base() -> None:
+    """Each agent trains its own adapter unless agents name one; learning rates per adapter."""
+    cfg = load_config(
+        [
+            "models.solver.lora.rank=8",
+            "agents.verifier.model=solver",
+            "agents.verifier.lr=1e-3",
+        ]
+    )
+    assert cfg.has_adapters("solver") and list(cfg.models) == ["solver"]
+    assert cfg.adapters_of("solver") == ["solver", "verifier"]
+    assert cfg.lr_of("solver", "verifier") == 1e-3
+    assert cfg.lr_of("solver", "solver") == cfg.models["solver"].lr
+    shared = load_config(
+        [
+            "models.solver.lora.rank=8",
+            "agents.verifier.model=solver",
+            "agents.verifier.adapter=solver",
+        ]
+    )
+    assert shared.adapters_of("solver") == ["solver"]
+    assert load_config([]).adapter_of("solver") == ""  # rank 0: full fine-tuning
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["agents.verifier.adapter=v"], r"agents\.verifier\.adapter='v' but model 'verifier' has no adapters: set models\.verifier\.lora\.rank"),
+        (["models.solver.lora.rank=8", "agents.verifier.model=solver", "agents.verifier.adapter=solver",
+          "agents.solver.lr=1e-4", "agents.verifier.lr=2e-4"], r"share adapter 'solver' of model 'solver' but set different lr"),
+        (["models.solver.lora.dropout=1.5"], r"models\.solver\.lora\.dropout=1\.5: expected float <= 1"),
+        (["models.solver.lora.rank=-1"], r"models\.solver\.lora\.rank=-1: expected int >= 0"),
+    ],
+)  # fmt: skip
+def test_adapter_rules(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides)
