@@ -108,6 +108,7 @@ def _train(args: argparse.Namespace, cfg: DrmasConfig) -> int:
 
 
 def _prepare(args: argparse.Namespace, cfg: DrmasConfig) -> int:
+    from drmas.launch.placement import adapter_plan
     from drmas.launch.train import prepare_run
 
     try:
@@ -117,6 +118,8 @@ def _prepare(args: argparse.Namespace, cfg: DrmasConfig) -> int:
         return 2
     if placement is not None:
         print(placement.describe(), file=sys.stderr)
+    if adapters := adapter_plan(cfg):
+        print(adapters, file=sys.stderr)
     print(run_dir / "config.yaml")
     return 0
 

@@ -270,3 +270,23 @@ def _in_range(gpus: tuple[int, ...], count: int, key: str) -> None:
         raise PlacementError(
             f"{key}: GPU {bad[0]} does not exist (this node has {count}: 0..{count - 1})"
         )
+
+
+def adapter_plan(cfg: DrmasConfig) -> str:
+    """What each LoRA base holds: its adapters, one learner group for all of them, and the
+    adapter slots every engine serving it keeps (vLLM's max_loras / max_lora_rank, SGLang's
+    max_loras_per_batch / max_lora_rank). "" when no model has adapters."""
+    lines = []
+    for model in cfg.models:
+        if not cfg.has_adapters(model):
+            continue
+        adapters = cfg.adapters_of(model)
+        rank = cfg.models[model].lora.rank
+        users = {a: [n for n in cfg.agents_of(model) if cfg.adapter_of(n) == a] for a in adapters}
+        bound = ", ".join(f"{a} ({'+'.join(users[a])})" for a in adapters)
+        lines.append(
+            f"model {model}: {len(adapters)} LoRA adapters of rank {rank} on one frozen base "
+            f"[{bound}]; one learner group trains them all; each engine serving it holds "
+            f"max_loras={len(adapters)}, max_lora_rank={rank}"
+        )
+    return "\n".join(lines)

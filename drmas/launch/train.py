@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from drmas.config import ConfigError, DrmasConfig, to_yaml
-from drmas.launch.placement import Placement, plan_placement, visible_gpus
+from drmas.launch.placement import Placement, adapter_plan, plan_placement, visible_gpus
 from drmas.launch.progress import Progress
 from drmas.launch.supervisor import Supervisor
 from drmas.teams.resolve import resolve
@@ -250,6 +250,8 @@ def train(cfg: DrmasConfig, overrides: list[str] | None = None) -> int:
     print(f"drmas train: run folder {run_dir}", flush=True)
     if placement is not None:
         print(placement.describe(), flush=True)
+    if adapters := adapter_plan(cfg):
+        print(adapters, flush=True)
     code = run_children(cfg, run_dir, placement)
     if code != 0:  # every child is down: the broker has written its state
         print(resume_hint(cfg, run_dir), file=sys.stderr, flush=True)

@@ -140,3 +140,21 @@ def test_a_chosen_port_is_bindable_and_outside_the_kernels_ephemeral_range() -> 
     assert all(LOWEST <= p < low for p in ports) and len(ports) > 1
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports.pop()))  # free when chosen
+
+
+def test_the_plan_says_what_a_lora_base_holds() -> None:
+    from drmas.launch.placement import adapter_plan
+
+    cfg = load_config(
+        [
+            "models.solver.lora.rank=8",
+            "agents.verifier.model=solver",
+            "agents.verifier.adapter=solver",
+        ]
+    )
+    assert adapter_plan(cfg) == (
+        "model solver: 1 LoRA adapters of rank 8 on one frozen base [solver (solver+verifier)]; "
+        "one learner group trains them all; each engine serving it holds max_loras=1, "
+        "max_lora_rank=8"
+    )
+    assert adapter_plan(load_config([])) == ""  # full fine-tuning: nothing to say
