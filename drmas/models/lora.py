@@ -1,0 +1,152 @@
+"""LoRA adapters per agent on a frozen base: the one way learners and engines build them.
+
+A model with `models.<m>.lora.rank > 0` is a frozen base; each of its adapters
+(DrmasConfig.adapters_of) trains on its agents' steps. The learner
+(drmas/learners/trainer.py) and every hf engine (drmas/actors/engines/hf.py) call
+`add_adapters` with the same LoraConfig and adapter list: the same seed and the same
+order give bit-identical initial adapters on both sides (lora_B starts at zero, so every
+adapter starts as the base model), before any weights are published.
+
+Names: a publish on a LoRA base carries only the adapter tensors, under the names
+`PeftModel.named_parameters()` gives them (`adapter_param_names`, sorted), e.g.
+`base_model.model.model.layers.0.self_attn.q_proj.lora_A.solver.weight`.
+`adapter_of_param` reads the adapter back from such a name; `peft_saved_name` is the name
+peft's adapter_model.safetensors uses for it (the adapter segment removed), for writing
+an adapter folder that `peft.PeftModel.from_pretrained` (and vLLM) load.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+    from drmas.config.model import LoraConfig
+
+BASE_ADAPTER = "__base__"
+"""The name peft's mixed-batch inference (`adapter_names=`) uses for the base model."""
+_LORA_PREFIX = "lora_"
+
+
+def add_adapters(model: PreTrainedModel, lora: LoraConfig, adapters: list[str]) -> PeftModel:
+    """`model` wrapped as a PeftModel with one LoRA adapter per name of `adapters`, created
+    in that order from `lora.init_seed` (the caller's RNG streams are left as they were).
+    The base is frozen; every adapter parameter requires grad; adapters[0] is active."""
+    from peft import get_peft_model
+
+    check_adapter_names(adapters)
+    config = peft_config(lora)
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(lora.init_seed)
+        peft_model = get_peft_model(model, config, adapter_name=adapters[0])
+        for name in adapters[1:]:
+            peft_model.add_adapter(name, copy.deepcopy(config))
+    for name, param in peft_model.named_parameters():
+        param.requires_grad_(is_adapter_param(name))
+    return peft_model
+
+
+def peft_config(lora: LoraConfig) -> PeftLoraConfig:
+    """peft's LoraConfig for drmas' models.<m>.lora (causal LM, no bias terms)."""
+    from peft import LoraConfig as PeftConfig
+    from peft import TaskType
+
+    return PeftConfig(
+        r=lora.rank,
+        # peft types lora_alpha as int; its scaling alpha / r takes any number
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type=TaskType.CAUSAL_LM,
+    )
+
+
+def check_adapter_names(adapters: list[str]) -> None:
+    """Adapter names become one segment of parameter names: non-empty, unique, no dots."""
+    if not adapters:
+        raise ValueError("a LoRA base needs at least one adapter (an agent bound to it)")
+    if len(set(adapters)) != len(adapters):
+        raise ValueError(f"adapter names {adapters} repeat; each must be unique")
+    for name in adapters:
+        if not name or "." in name or name == BASE_ADAPTER:
+            raise ValueError(
+                f"adapter name {name!r} cannot name a LoRA adapter (it must be non-empty, "
+                f"without '.', and not {BASE_ADAPTER!r}); set agents.<a>.adapter to another name"
+            )
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a parameter name (as a PeftModel names it) is an adapter's."""
+    return any(part.startswith(_LORA_PREFIX) for part in name.split("."))
+
+
+def adapter_param_names(peft_model: torch.nn.Module) -> list[str]:
+    """Sorted names of every adapter parameter, as `named_parameters()` gives them."""
+    return sorted(n for n, _ in peft_model.named_parameters() if is_adapter_param(n))
+
+
+def _adapter_index(name: str) -> tuple[list[str], int]:
+    """(segments of name, index of its adapter segment: the one after `lora_A`/`lora_B`)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith(_LORA_PREFIX):
+            return parts, i + 1
+    raise ValueError(f"{name!r} is not a LoRA adapter parameter (no lora_* segment)")
+
+
+def adapter_of_param(name: str) -> str:
+    """The adapter a parameter belongs to: `...q_proj.lora_A.solver.weight` -> "solver"."""
+    parts, i = _adapter_index(name)
+    return parts[i]
+
+
+def peft_saved_name(name: str, adapter: str) -> str:
+    """The key of `name` in peft's adapter_model.safetensors: its `.{adapter}` segment
+    removed (`...q_proj.lora_A.solver.weight` -> `...q_proj.lora_A.weight`)."""
+    parts, i = _adapter_index(name)
+    if parts[i] != adapter:
+        raise ValueError(f"{name!r} belongs to adapter {parts[i]!r}, not {adapter!r}")
+    return ".".join(parts[:i] + parts[i + 1 :])
+
+
+def activate_adapter(peft_model: PeftModel, adapter: str) -> None:
+    """Make `adapter` the one forward passes use. Every adapter keeps requires_grad True
+    (peft's set_adapter clears it on the others): an inactive adapter is not in the
+    graph, so it gets no gradient (None) and AdamW leaves it exactly as it was."""
+    peft_model.set_adapter(adapter)
+    for name, param in peft_model.named_parameters():
+        if is_adapter_param(name):
+            param.requires_grad_(True)
+
+
+def save_adapter_folder(
+    peft_model: PeftModel,
+    adapter: str,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out: Path,
+    base_path: str = "",
+) -> None:
+    """Write one adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors)
+    that `peft.PeftModel.from_pretrained(base, out)` loads. `tensors`: (name as
+    named_parameters() gives it, full tensor) of this adapter's parameters."""
+    from safetensors.torch import save_file
+
+    state = {peft_saved_name(n, adapter): t.detach().contiguous() for n, t in tensors}
+    if not state:
+        raise ValueError(f"no tensors of adapter {adapter!r} to save")
+    config = copy.deepcopy(peft_model.peft_config[adapter])
+    config.inference_mode = True
+    config.base_model_name_or_path = base_path or None
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
