@@ -25,7 +25,7 @@ import socket
 import time
 import zlib
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from drmas.actors.engines import ReceivesWeights, RollsBack, make_engine
 from drmas.actors.engines.base import Engine
@@ -117,7 +117,8 @@ class Actor:
             pool_cfg = self.cfg.actor.engine_of(model)
             seed = pool_cfg.seed + zlib.crc32(self.id.encode())
             engine_cfg = dataclasses.replace(pool_cfg, seed=seed)
-            engine = make_engine(model, self.cfg.models[model].path, engine_cfg)
+            path = self.cfg.models[model].path
+            engine = make_engine(model, path, engine_cfg, **engine_adapters(self.cfg, model))
             await engine.start()
             self.engines[model] = engine
         tokenizers = {m: e.tokenizer for m, e in self.engines.items()}
@@ -377,6 +378,14 @@ def make_workflow(
     team = resolve(cfg, "actor")  # the user's team, tools and reward: checked, then loaded
     assert team is not None
     return team.build(cfg, agent_models, engines, tokenizers)
+
+
+def engine_adapters(cfg: DrmasConfig, model: str) -> dict[str, Any]:
+    """make_engine's `lora` and `adapters` for a LoRA base (one copy of the base serves
+    every agent's adapter); nothing for a model that trains whole."""
+    if not cfg.has_adapters(model):
+        return {}
+    return {"lora": cfg.models[model].lora, "adapters": cfg.adapters_of(model)}
 
 
 def default_actor_id() -> str:

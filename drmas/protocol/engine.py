@@ -26,6 +26,10 @@ class GenerateRequest:
     max_new_tokens: int
     stop: tuple[str, ...] = ()
     """Stop strings: generation ends once the decoded response contains one (kept in output)."""
+    adapter: str = ""
+    """The LoRA adapter to generate with ("" = the model itself: the base of a LoRA model,
+    or a fully fine-tuned model). An engine refuses an adapter its model lacks (sim, which
+    has no model, ignores it)."""
 
 
 @dataclass

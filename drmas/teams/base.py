@@ -14,9 +14,10 @@ drmas/plugins.py from `workflow.name` / `workflow.target`). It declares
 Who calls it: the actor process (drmas/actors/main.py) builds the team once with
 `Team.build` and runs leased groups through `run_group`; `drmas probe` and `drmas eval` do
 the same in one process. Each model has its own engine and tokenizer: agents that share a
-model share both, and a prompt is always tokenised with the tokenizer of the model that
-will read it. Episodes only await the engines, so the G episodes of a group run
-concurrently and the engine batches their calls.
+model share both (on a LoRA model each call names its agent's adapter), and a prompt is
+always tokenised with the tokenizer of the model that will read it. Episodes only await
+the engines, so the G episodes of a group run concurrently and the engine batches their
+calls.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class Team:
         tokenizers: Mapping[str, Any],
         tools: Mapping[str, Tool] | None = None,
         reward: Reward | None = None,
+        adapters: Mapping[str, str] | None = None,
     ) -> None:
         self.check_settings(cfg)
         if cfg.prompt_style not in self.default_instructions:
@@ -111,6 +113,8 @@ class Team:
             raise ValueError(f"workflow.instructions names unknown agents {unknown}")
         self.cfg = cfg
         self.agent_models = dict(agent_models)
+        self.agent_adapters = {a: (adapters or {}).get(a, "") for a in agent_models}
+        """agent -> the LoRA adapter its calls generate with ("" = its model itself)."""
         self.engines = engines
         self.tokenizers = tokenizers
         self.instructions = {**self.default_instructions[cfg.prompt_style], **overrides}
@@ -134,13 +138,23 @@ class Team:
         engines: Mapping[str, Engine],
         tokenizers: Mapping[str, Any],
     ) -> Team:
-        """The team of a run: its tools (`make_tools`) and `workflow.reward`, if set."""
+        """The team of a run: its tools (`make_tools`), `workflow.reward`, if set, and each
+        agent's adapter (models.<m>.lora)."""
         reward = (
             load_object(cfg.workflow.reward, "workflow.reward") if cfg.workflow.reward else None
         )
         if reward is not None and not callable(reward):
             raise TypeError(f"workflow.reward={cfg.workflow.reward!r} is not a function")
-        return cls(cfg.workflow, agent_models, engines, tokenizers, cls.make_tools(cfg), reward)
+        adapters = {agent: cfg.adapter_of(agent) for agent in agent_models}
+        return cls(
+            cfg.workflow,
+            agent_models,
+            engines,
+            tokenizers,
+            cls.make_tools(cfg),
+            reward,
+            adapters=adapters,
+        )
 
     @classmethod
     def make_tools(cls, cfg: DrmasConfig) -> dict[str, Tool]:
@@ -211,6 +225,7 @@ class Team:
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 max_new_tokens=sampling.max_new_tokens,
+                adapter=self.agent_adapters[agent],
             )
         )
         if not result.token_ids:

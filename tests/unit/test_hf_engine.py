@@ -1,5 +1,6 @@
 """HFEngine against independent references: transformers' own generate (greedy), a plain
-full forward pass (log-probs), and each request generated alone (continuous batching)."""
+full forward pass (log-probs), and each request generated alone (continuous batching); on a
+LoRA base, an unbatched peft forward with each request's adapter active."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import torch
 from drmas.actors.engines.base import GenerateRequest, GenerateResult
 from drmas.actors.engines.hf import HFEngine
 from drmas.config.actor import EngineConfig
-from drmas.config.model import WarmStartConfig
+from drmas.config.model import LoraConfig, WarmStartConfig
 from drmas.models.builtin import resolve_model_path
+from drmas.models.lora import adapter_param_names, add_adapters
+from drmas.transports.digest import digest_of
 
 torch.set_num_threads(1)
 
@@ -43,9 +46,18 @@ def reference(model_path: Path) -> tuple[Any, Any]:
     return model, AutoTokenizer.from_pretrained(model_path)
 
 
-def with_engine(model_path: Path, body: Callable[[HFEngine], Awaitable[T]], **cfg: Any) -> T:
+def with_engine(
+    model_path: Path,
+    body: Callable[[HFEngine], Awaitable[T]],
+    adapters: tuple[str, ...] = (),
+    **cfg: Any,
+) -> T:
+    """`body` run on a started engine; `adapters`: a LoRA base (LORA) with these adapters."""
+
     async def main() -> T:
-        engine = HFEngine("policy", model_path, EngineConfig(device="cpu", **cfg))
+        lora = LORA if adapters else None
+        config = EngineConfig(device="cpu", **cfg)
+        engine = HFEngine("policy", model_path, config, lora, adapters)
         await engine.start()
         try:
             return await body(engine)
@@ -299,3 +311,129 @@ def test_close_fails_pending_requests_and_cancelled_callers_are_dropped(
             await engine.generate(greedy(prompt, 4))
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------------ LoRA adapters
+
+LORA = LoraConfig(rank=4, init_seed=3)
+ADAPTERS = ("x", "y")
+
+
+def lora_reference(model_path: Path) -> Any:
+    """The learner's side: the base in fp32 with the adapters built by add_adapters."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_path)
+    return add_adapters(base, LORA, list(ADAPTERS)).eval()
+
+
+@pytest.fixture(scope="module")
+def trained(model_path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A LoRA reference whose adapters moved away from the base (lora_B nonzero, each
+    adapter its own values), and those adapter tensors by name: what a publish carries."""
+    peft_model = lora_reference(model_path)
+    params = dict(peft_model.named_parameters())
+    published: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for i, name in enumerate(adapter_param_names(peft_model)):
+            noise = torch.randn(params[name].shape, generator=torch.Generator().manual_seed(i))
+            params[name].add_(0.1 * noise)
+            published[name] = params[name].detach().clone()
+    return peft_model, published
+
+
+def reference_logits(peft_model: Any, adapter: str, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] logits of one unbatched sequence with `adapter` ("" = the base)."""
+    with torch.no_grad():
+        if adapter:
+            peft_model.set_adapter(adapter)
+            return peft_model(input_ids=torch.tensor([ids])).logits[0].double()
+        with peft_model.disable_adapter():
+            return peft_model(input_ids=torch.tensor([ids])).logits[0].double()
+
+
+def test_a_mixed_adapter_batch_gives_each_request_its_own_adapter(
+    model_path: Path, reference: Any, trained: Any
+) -> None:
+    """Six requests over adapters x, y and the base in one engine (max_batch 4: two join the
+    running batch later): each row's greedy tokens are its adapter's greedy choice and its
+    log-probs its adapter's, from an unbatched peft forward; a base row is the plain model."""
+    base_model, tokenizer = reference
+    peft_model, published = trained
+    prompts = [ids_of(tokenizer, p) for p in PROMPTS]
+    requests = [
+        GenerateRequest(prompts[0], 0.0, 1.0, 12, adapter="x"),
+        GenerateRequest(prompts[0], 0.0, 1.0, 12, adapter="y"),
+        GenerateRequest(prompts[0], 0.0, 1.0, 12, adapter=""),
+        GenerateRequest(prompts[1], 1.0, 1.0, 10, adapter="y"),
+        GenerateRequest(prompts[3], 0.8, 1.0, 10, adapter="x"),
+        GenerateRequest(prompts[2], 1.0, 1.0, 10, adapter=""),
+    ]
+
+    async def body(engine: HFEngine) -> list[GenerateResult]:
+        engine.load_weights(published.items(), version=2)
+        return await asyncio.gather(*(engine.generate(r) for r in requests))
+
+    results = with_engine(model_path, body, adapters=ADAPTERS, max_batch=4)
+    for request, result in zip(requests, results):
+        ids = request.prompt_ids + result.token_ids
+        logits = reference_logits(peft_model, request.adapter, ids)
+        if not request.adapter:
+            with torch.no_grad():
+                plain = base_model(input_ids=torch.tensor([ids])).logits[0].double()
+            assert torch.allclose(logits, plain, atol=1e-5)
+        start = len(request.prompt_ids) - 1
+        steps = logits[start : start + len(result.token_ids)]
+        logp = torch.log_softmax(steps / (request.temperature or 1.0), dim=-1)
+        expected = logp.gather(1, torch.tensor(result.token_ids)[:, None]).squeeze(1)
+        assert result.logprobs == pytest.approx(expected.tolist(), abs=1e-5)
+        assert result.version == 2
+        if request.temperature == 0.0:
+            assert result.token_ids == steps.argmax(dim=-1).tolist()
+            ended = result.token_ids[-1] == tokenizer.eos_token_id
+            assert ended or len(result.token_ids) == request.max_new_tokens
+    x, y, base = (r.token_ids for r in results[:3])
+    assert x != y and x != base and y != base  # the adapters matter
+
+
+def test_lora_weights_digest_load_and_restore_cover_the_adapters_only(
+    model_path: Path, trained: Any
+) -> None:
+    """The engine starts from the learner's adapters bit for bit; its digest is over the
+    adapter tensors under the learner's names; a publish of bf16 copies into a bf16 engine
+    digests as what was sent; base names and unknown adapters are refused; a backup
+    restores the adapters after a partial load."""
+    _, published = trained
+    fresh = lora_reference(model_path)
+    initial = digest_of((n, p) for n, p in fresh.named_parameters() if "lora_" in n)
+    sent = {name: tensor.to(torch.bfloat16) for name, tensor in published.items()}
+
+    async def fp32(engine: HFEngine) -> None:
+        assert engine.weights_digest() == initial
+        with pytest.raises(KeyError, match="unknown adapter parameter"):
+            engine.load_weights([("base_model.model.model.norm.weight", torch.ones(1))], 1)
+        with pytest.raises(ValueError, match="no adapter 'z'"):
+            await engine.generate(GenerateRequest([5, 6], 0.0, 1.0, 2, adapter="z"))
+        backup = engine.backup_weights()
+        first = sorted(published)[:3]
+        engine.load_weights([(n, published[n]) for n in first], version=4)
+        assert engine.version == 4 and engine.weights_digest() != initial
+        engine.restore_weights(backup)
+        assert engine.version == 0 and engine.weights_digest() == initial
+
+    async def bf16(engine: HFEngine) -> None:
+        engine.load_weights(sent.items(), version=1)
+        assert engine.weights_digest() == digest_of(sent.items())
+
+    with_engine(model_path, fp32, adapters=ADAPTERS)
+    with_engine(model_path, bf16, adapters=ADAPTERS, dtype="bfloat16")
+
+
+def test_a_model_without_adapters_refuses_an_adapter_request(model_path: Path) -> None:
+    async def body(engine: HFEngine) -> None:
+        with pytest.raises(ValueError, match=r"lora\.rank is 0"):
+            await engine.generate(GenerateRequest([5, 6], 0.0, 1.0, 2, adapter="x"))
+
+    with_engine(model_path, body)
+    with pytest.raises(ValueError, match=r"need lora\.rank > 0"):
+        HFEngine("policy", model_path, EngineConfig(device="cpu"), LoraConfig(rank=0), ["x"])

@@ -17,6 +17,7 @@ from drmas.actors.engines import make_engine
 from drmas.actors.engines.base import GenerateRequest, GenerateResult
 from drmas.actors.engines.sim import SimEngine
 from drmas.config.actor import EngineConfig
+from drmas.config.model import LoraConfig
 from drmas.config.transport import WeightSyncConfig
 from drmas.models.builtin import char_tokenizer
 from drmas.protocol.messages import JoinWeightGroup
@@ -48,6 +49,27 @@ def request(n: int, prompt: list[int] | None = None) -> GenerateRequest:
 def test_registered_under_its_config_name() -> None:
     engine = make_engine("policy", "", EngineConfig(name="sim"))
     assert isinstance(engine, SimEngine)
+    on_a_lora_base = make_engine("policy", "", EngineConfig(name="sim"), LoraConfig(rank=4), ["a"])
+    assert isinstance(on_a_lora_base, SimEngine)
+    with pytest.raises(ValueError, match=r"needs lora\.rank > 0 and its adapter names"):
+        make_engine("policy", "", EngineConfig(name="sim"), LoraConfig(rank=4), [])
+    with pytest.raises(ValueError, match=r"needs lora\.rank > 0 and its adapter names"):
+        make_engine("policy", "", EngineConfig(name="sim"), None, ["a"])
+
+
+def test_a_request_adapter_changes_nothing() -> None:
+    """No model, no adapters: a request naming one is served as any other, from the same
+    random stream (same seed: the same tokens)."""
+
+    def tokens(adapter: str) -> list[list[int]]:
+        async def body(engine: SimEngine) -> list[GenerateResult]:
+            requests = [GenerateRequest([10, 11], 1.0, 1.0, 8, adapter=adapter)] * 3
+            return await asyncio.gather(*(engine.generate(r) for r in requests))
+
+        results, _ = run(body, sim_stop_prob=0.0, sim_token_latency_s=0.0)
+        return [r.token_ids for r in results]
+
+    assert tokens("solver") == tokens("") and len(tokens("")[0]) == 8
 
 
 def test_concurrent_requests_share_decode_steps() -> None:

@@ -4,15 +4,21 @@ Engines whose model lives in other processes (vllm: its worker processes) receiv
 weight publish themselves: they implement `ReceivesWeights`, and the actor
 (drmas/actors/main.py) hands them the JoinWeightGroup instead of receiving the tensors
 itself and calling `load_weights`.
+
+On a LoRA model (models.<m>.lora.rank > 0) every engine serves one copy of the frozen base
+and the adapters of the agents bound to it: `make_engine` passes the model's LoraConfig and
+adapter names (DrmasConfig.adapters_of) on, and each request names its adapter.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from drmas.actors.engines.base import Engine
 from drmas.config.actor import EngineConfig
+from drmas.config.model import LoraConfig
 
 if TYPE_CHECKING:
     from drmas.protocol.messages import JoinWeightGroup
@@ -43,43 +49,57 @@ class RollsBack(Protocol):
         ...
 
 
-def _hf(model_name: str, path: str, cfg: EngineConfig) -> Engine:
+def _hf(model_name: str, path: str, cfg: EngineConfig, adapters: dict[str, Any]) -> Engine:
     from drmas.actors.engines.hf import HFEngine
 
-    return HFEngine(model_name, Path(path), cfg)
+    return HFEngine(model_name, Path(path), cfg, **adapters)
 
 
-def _sim(model_name: str, path: str, cfg: EngineConfig) -> Engine:
+def _sim(model_name: str, path: str, cfg: EngineConfig, adapters: dict[str, Any]) -> Engine:
     from drmas.actors.engines.sim import SimEngine
 
-    return SimEngine(model_name, path, cfg)
+    return SimEngine(model_name, path, cfg)  # no model: a request's adapter changes nothing
 
 
-def _vllm(model_name: str, path: str, cfg: EngineConfig) -> Engine:
+def _vllm(model_name: str, path: str, cfg: EngineConfig, adapters: dict[str, Any]) -> Engine:
     from drmas.actors.engines.vllm import VLLMEngine, require_vllm
 
     require_vllm()  # fail here, before any training starts, with what to install
-    return VLLMEngine(model_name, Path(path), cfg)
+    return VLLMEngine(model_name, Path(path), cfg, **adapters)
 
 
-def _sglang(model_name: str, path: str, cfg: EngineConfig) -> Engine:
+def _sglang(model_name: str, path: str, cfg: EngineConfig, adapters: dict[str, Any]) -> Engine:
     from drmas.actors.engines.sglang import SGLangEngine
     from drmas.actors.engines.sglang_server import SGLangOptions, require_sglang
 
     opts = SGLangOptions.from_config(cfg)
     require_sglang(opts)  # "pip install 'drmas[sglang]'" before training starts
-    return SGLangEngine(model_name, path, cfg, opts)
+    return SGLangEngine(model_name, path, cfg, opts, **adapters)
 
 
 _ENGINES = {"hf": _hf, "sim": _sim, "vllm": _vllm, "sglang": _sglang}
 
 
-def make_engine(model_name: str, path: str, cfg: EngineConfig) -> Engine:
-    """Build (not start) the engine `cfg.name` for one model pool."""
+def make_engine(
+    model_name: str,
+    path: str,
+    cfg: EngineConfig,
+    lora: LoraConfig | None = None,
+    adapters: Sequence[str] = (),
+) -> Engine:
+    """Build (not start) the engine `cfg.name` for one model pool. `lora` and `adapters`:
+    the model's LoraConfig and adapter names when it is a LoRA base (each engine then
+    takes them as the keyword arguments `lora=` and `adapters=`); None and () otherwise."""
     factory = _ENGINES.get(cfg.name)
     if factory is None:
         raise ValueError(
             f"actor.engine.name={cfg.name!r} is not available in this build "
             f"(available: {sorted(_ENGINES)}); use actor.engine.name=hf (or sim: no model, a timing model)"
         )
-    return factory(model_name, path, cfg)
+    if (lora is not None and lora.rank > 0) != bool(adapters):
+        raise ValueError(
+            f"model {model_name!r}: a LoRA base needs lora.rank > 0 and its adapter names "
+            f"(got rank {lora.rank if lora else 0}, adapters {list(adapters)})"
+        )
+    kwargs: dict[str, Any] = {"lora": lora, "adapters": list(adapters)} if adapters else {}
+    return factory(model_name, path, cfg, kwargs)

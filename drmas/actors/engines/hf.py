@@ -16,6 +16,17 @@ iteration
 4. yields to the event loop (`asyncio.sleep(0)`), so the actor's sockets and weight sync
    run between steps; `pause()` waits for exactly that point.
 
+On a LoRA model (models.<m>.lora.rank > 0) the engine holds one copy of the frozen base
+with every agent's adapter on it (drmas.models.lora.add_adapters, built exactly as the
+learner builds them), and one decode batch mixes rows of different adapters: each forward
+names every row's adapter (peft's mixed-batch `adapter_names`; "__base__" for a request
+with adapter ""), so each row computes the base plus its own adapter only. (Measured on
+the tiny model: a decode step costs about twice a plain one, the hooks peft registers per
+call and one gather per adapter and layer; grouping rows by adapter would split the KV
+cache and cost a forward per adapter.) A publish then
+carries only the adapters' tensors, which `load_weights` copies by their PeftModel names
+and `weights_digest` fingerprints in the learner's order.
+
 Model calls run on the event-loop thread: a decode step of the tiny model takes a few
 milliseconds; larger models belong on vllm/sglang.
 """
@@ -25,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
@@ -35,10 +46,13 @@ import torch
 from drmas.actors.engines.base import GenerateRequest, GenerateResult
 from drmas.actors.engines.scheduler import RequestScheduler, Row, hit_stop
 from drmas.config.actor import EngineConfig
+from drmas.config.model import LoraConfig
 from drmas.config.types import Dtype
+from drmas.models.lora import BASE_ADAPTER, adapter_param_names, add_adapters
 from drmas.transports.digest import digest_of
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import DynamicCache, PreTrainedModel
 
 log = logging.getLogger("drmas.engine.hf")
@@ -76,7 +90,16 @@ class _Batch:
 class HFEngine:
     """Engine protocol (drmas/actors/engines/base.py) over a transformers causal LM."""
 
-    def __init__(self, model_name: str, model_path: str | Path, cfg: EngineConfig) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        model_path: str | Path,
+        cfg: EngineConfig,
+        lora: LoraConfig | None = None,
+        adapters: Sequence[str] = (),
+    ) -> None:
+        """`lora`, `adapters`: a LoRA base's settings and adapter names (None, () for a model
+        that is served whole)."""
         if cfg.dtype not in DTYPES:
             raise ValueError(f"engine dtype {cfg.dtype!r} is not one of {sorted(DTYPES)}")
         if cfg.max_batch < 1:
@@ -84,6 +107,13 @@ class HFEngine:
         self.model_name = model_name
         self.model_path = Path(model_path)
         self.cfg = cfg
+        self.lora = lora
+        self.adapters = list(adapters)
+        if bool(self.adapters) != (lora is not None and lora.rank > 0):
+            raise ValueError(
+                f"engine {model_name!r}: adapters {self.adapters} need lora.rank > 0 and "
+                "the other way round (make_engine passes both for a LoRA base)"
+            )
         self.version = 0
         self.tokenizer: Any = None
         self.model: PreTrainedModel | None = None
@@ -100,6 +130,9 @@ class HFEngine:
         self._cache_kwarg = "cache"
         self._pad_id = 0
         self._vocab_size = 0
+        self._adapter_params: dict[str, torch.Tensor] = {}
+        """LoRA base: every adapter parameter by its PeftModel name, sorted (what a
+        publish carries and the digest covers)."""
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -114,6 +147,11 @@ class HFEngine:
         model: Any = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=DTYPES[self.cfg.dtype]
         )
+        # transformers 5 renamed the forward argument `past_key_values` to `cache`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        if self.adapters:
+            model = self._add_adapters(model)
         model.to(self.device).eval().requires_grad_(False)
         self.model = model
         eos = model.generation_config.eos_token_id
@@ -124,19 +162,28 @@ class HFEngine:
         pad = self.tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else min(eos_ids, default=0)
         self._vocab_size = model.get_input_embeddings().weight.shape[0]
-        # transformers 5 renamed the forward argument `past_key_values` to `cache`.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(self.cfg.seed)
         log.info(
-            "%s: loaded %s on %s (%s), eos ids %s",
+            "%s: loaded %s on %s (%s), eos ids %s, adapters %s",
             self.model_name,
             self.model_path,
             self.device,
             self.cfg.dtype,
             sorted(eos_ids),
+            self.adapters or "none",
         )
+
+    def _add_adapters(self, model: PreTrainedModel) -> PeftModel:
+        """The adapters on the base, built on the CPU from the learner's seed, held in the
+        engine dtype (what a publish sends: peft keeps them fp32 under a bf16 base)."""
+        assert self.lora is not None
+        peft_model = add_adapters(model, self.lora, self.adapters)
+        named = dict(peft_model.named_parameters())
+        self._adapter_params = {n: named[n] for n in adapter_param_names(peft_model)}
+        for param in self._adapter_params.values():
+            param.data = param.data.to(DTYPES[self.cfg.dtype])
+        return peft_model
 
     async def close(self) -> None:
         await self._scheduler.close()
@@ -154,6 +201,11 @@ class HFEngine:
     # ---------------------------------------------------------------- requests
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if request.adapter and request.adapter not in self.adapters:
+            raise ValueError(
+                f"engine {self.model_name!r} has no adapter {request.adapter!r} (adapters: "
+                f"{self.adapters or 'none, models.' + self.model_name + '.lora.rank is 0'})"
+            )
         return await self._scheduler.submit(request, self._vocab_size, self.version)
 
     async def pause(self) -> None:
@@ -163,17 +215,18 @@ class HFEngine:
         await self._scheduler.resume()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy by Hugging Face name (both names of tied weights are accepted). Stops at the
-        first bad tensor; tensors already copied stay, `version` is then left unchanged."""
+        """Copy by Hugging Face name (both names of tied weights are accepted); on a LoRA
+        base by PeftModel name, adapter tensors only (the base never changes). Stops at
+        the first bad tensor; tensors already copied stay, `version` is then left unchanged."""
         if self.model is None:
             raise RuntimeError(f"engine {self.model_name!r}: call start() before load_weights()")
-        targets: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
-        targets.update(self.model.named_buffers(remove_duplicate=False))
+        targets = self._targets()
         with torch.no_grad():
             for name, tensor in named_tensors:
                 target = targets.get(name)
                 if target is None:
-                    raise KeyError(f"{self.model_name}: unknown parameter {name!r}")
+                    what = "adapter parameter" if self.adapters else "parameter"
+                    raise KeyError(f"{self.model_name}: unknown {what} {name!r}")
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(
                         f"{self.model_name}: parameter {name!r} has shape {tuple(target.shape)}, "
@@ -182,24 +235,43 @@ class HFEngine:
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         self.version = version
 
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """What a publish may write, by name: the adapters of a LoRA base, else every
+        parameter and buffer."""
+        assert self.model is not None
+        if self.adapters:
+            return self._adapter_params
+        targets: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(self.model.named_buffers(remove_duplicate=False))
+        return targets
+
     def backup_weights(self) -> object:
-        """A copy of every parameter and buffer (on the CPU) and the version: what a failed
-        load restores. Costs one model's size in host memory during a load."""
+        """A copy of what a publish may change (on the CPU: every parameter and buffer, or
+        a LoRA base's adapters) and the version: what a failed load restores. Costs that
+        much host memory during a load."""
         if self.model is None:
             raise RuntimeError(f"engine {self.model_name!r}: call start() before backup_weights()")
-        state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        return self.version, state
+        kept = self._adapter_params if self.adapters else self.model.state_dict()
+        return self.version, {k: v.detach().to("cpu", copy=True) for k, v in kept.items()}
 
     def restore_weights(self, backup: object) -> None:
         assert self.model is not None and isinstance(backup, tuple)
         version, state = backup
-        self.model.load_state_dict(state)
+        if self.adapters:
+            with torch.no_grad():
+                for name, saved in state.items():
+                    self._adapter_params[name].copy_(saved)
+        else:
+            self.model.load_state_dict(state)
         self.version = version
 
     def weights_digest(self) -> str:
-        """Fingerprint of the weights generation uses (drmas.transports.digest)."""
+        """Fingerprint of the weights generation uses (drmas.transports.digest): on a LoRA
+        base, of the adapters only, as the learner fingerprints what it publishes."""
         if self.model is None:
             return ""
+        if self.adapters:
+            return digest_of(self._adapter_params.items())
         return digest_of(self.model.named_parameters())
 
     # ------------------------------------------------- one step (scheduler.Stepper)
@@ -228,16 +300,25 @@ class HFEngine:
                 self._decode(self._batch)
 
     def _forward(
-        self, ids: torch.Tensor, batch_mask: torch.Tensor, pos: torch.Tensor, cache: Any
+        self,
+        rows: list[Row],
+        ids: torch.Tensor,
+        batch_mask: torch.Tensor,
+        pos: torch.Tensor,
+        cache: Any,
     ) -> torch.Tensor:
+        """Next-token logits [B, V] of each row, with its own adapter on a LoRA base."""
         assert self.model is not None
+        kwargs: dict[str, Any] = {self._cache_kwarg: cache}
+        if self.adapters:
+            kwargs["adapter_names"] = [row.request.adapter or BASE_ADAPTER for row in rows]
         out = self.model(
             input_ids=ids,
             attention_mask=batch_mask,
             position_ids=pos,
             use_cache=True,
             logits_to_keep=1,
-            **{self._cache_kwarg: cache},
+            **kwargs,
         )
         return out.logits[:, -1].float()
 
@@ -257,7 +338,7 @@ class HFEngine:
         # Same position ids as transformers' generate: 0.. over the real tokens.
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, positions, cache)
+        logits = self._forward(rows, ids, mask, positions, cache)
         batch = _Batch(
             rows=rows,
             cache=cache,
@@ -277,7 +358,7 @@ class HFEngine:
     def _decode(self, batch: _Batch) -> None:
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], 1))], dim=1)
         logits = self._forward(
-            batch.last[:, None], batch.mask, batch.next_pos[:, None], batch.cache
+            batch.rows, batch.last[:, None], batch.mask, batch.next_pos[:, None], batch.cache
         )
         batch.next_pos = batch.next_pos + 1
         self._batch = self._advance(batch, logits)
