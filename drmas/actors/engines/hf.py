@@ -20,12 +20,12 @@ On a LoRA model (models.<m>.lora.rank > 0) the engine holds one copy of the froz
 with every agent's adapter on it (drmas.models.lora.add_adapters, built exactly as the
 learner builds them), and one decode batch mixes rows of different adapters: each forward
 names every row's adapter (peft's mixed-batch `adapter_names`; "__base__" for a request
-with adapter ""), so each row computes the base plus its own adapter only. (Measured on
-the tiny model: a decode step costs about twice a plain one, the hooks peft registers per
-call and one gather per adapter and layer; grouping rows by adapter would split the KV
-cache and cost a forward per adapter.) A publish then
-carries only the adapters' tensors, which `load_weights` copies by their PeftModel names
-and `weights_digest` fingerprints in the learner's order.
+with adapter ""), so each row computes the base plus its own adapter only. Measured on
+the tiny model on a CPU, such a decode step costs 2-3 times a plain one (the hooks peft
+registers per call, one gather per adapter and layer); grouping rows by adapter instead
+would split the KV cache and cost a forward per adapter. A publish carries only the
+adapters' tensors, which `load_weights` copies by their PeftModel names and
+`weights_digest` fingerprints in the learner's order.
 
 Model calls run on the event-loop thread: a decode step of the tiny model takes a few
 milliseconds; larger models belong on vllm/sglang.
