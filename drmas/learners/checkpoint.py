@@ -7,7 +7,9 @@ rename, keep-N rotation) are drmas/checkpoints/store.py's, shared with the broke
 What is saved, at version v (= optimizer steps taken):
 
 - model and optimizer state, FSDP2-aware: `get_state_dict` gives each rank its DTensor
-  shards, DCP writes one file per rank plus `.metadata` (rank 0);
+  shards, DCP writes one file per rank plus `.metadata` (rank 0); of the trained
+  parameters only: on a LoRA base the adapters and their AdamW state (the frozen base is
+  loaded from the model's folder again), with full fine-tuning every parameter;
 - the RNG state of every rank (torch CPU, CUDA when used, python, numpy) in rng-rank<r>.pt;
 - the version and world size, in the manifest rank 0 writes last (drmas/checkpoints/store.py).
 
@@ -31,7 +33,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from drmas.checkpoints import store
@@ -40,6 +46,13 @@ if TYPE_CHECKING:
     from drmas.learners.trainer import Trainer
 
 log = logging.getLogger("drmas.learner")
+
+_TRAINED = StateDictOptions(ignore_frozen_params=True)
+"""Only what trains: on a LoRA base the adapters (the frozen base is the model's own
+folder, loaded again at a resume); with full fine-tuning, every parameter."""
+_LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+"""Setting them leaves the frozen base alone (not strict: the base is not in the state);
+dcp.load has already checked that the checkpoint holds every trained parameter."""
 
 
 def save(trainer: Trainer, model_dir: Path, version: int, keep: int) -> Path:
@@ -50,7 +63,7 @@ def save(trainer: Trainer, model_dir: Path, version: int, keep: int) -> Path:
     if rank == 0:
         store.begin(model_dir, version)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_TRAINED)
     digest = optimizer_digest(optim_sd)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save(rng_state(trainer.device), tmp / f"rng-rank{rank}.pt")
@@ -77,15 +90,19 @@ def load(trainer: Trainer, checkpoint: store.Checkpoint) -> str:
             f"checkpoint {checkpoint.path} was saved by {checkpoint.world_size} ranks, this "
             f"learner group has {trainer.world_size}; resume with the same world size"
         )
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_TRAINED)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(checkpoint.path))
     set_state_dict(
-        trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=_LOAD_TRAINED,
     )
     # weights_only: a checkpoint folder on shared storage must not be able to run code
     rng = torch.load(checkpoint.path / f"rng-rank{trainer.rank}.pt", weights_only=True)
     set_rng_state(rng, trainer.device)
-    _, loaded = get_state_dict(trainer.model, trainer.optimizer)
+    _, loaded = get_state_dict(trainer.model, trainer.optimizer, options=_TRAINED)
     digest = optimizer_digest(loaded)
     dist.barrier()
     log.info(

@@ -63,24 +63,28 @@ def hf_name(name: str) -> str:
     return name
 
 
-def param_specs(model: torch.nn.Module, dtype: torch.dtype) -> list[TensorSpec]:
-    """(HF name, full shape, dtype) of what full_tensors(model, dtype=dtype) yields, in
-    order; local (no collective: a DTensor knows its full shape)."""
+def param_specs(
+    model: torch.nn.Module, dtype: torch.dtype, only: list[str] | None = None
+) -> list[TensorSpec]:
+    """(HF name, full shape, dtype) of what full_tensors(model, dtype=dtype, only=only)
+    yields, in order; local (no collective: a DTensor knows its full shape)."""
     name = str(dtype).removeprefix("torch.")
-    return [TensorSpec(hf_name(n), tuple(p.shape), name) for n, p in model.named_parameters()]
+    return [TensorSpec(hf_name(n), tuple(p.shape), name) for n, p in _selected(model, only)]
 
 
 def full_tensors(
     model: torch.nn.Module,
     device: torch.device | str | None = "cpu",
     dtype: torch.dtype | None = None,
+    only: list[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) per parameter, gathered one at a time. A collective: every
     rank must exhaust it; every rank gets the full tensors (only rank 0 needs them).
     `device` None keeps them where they were gathered (CUDA for an NCCL publish);
-    `dtype` None keeps the master dtype (checkpoints), else casts (publishing).
+    `dtype` None keeps the master dtype (checkpoints), else casts (publishing);
+    `only`: these parameters (named_parameters() names), in this order, instead of all.
     The tensors never alias the live parameters, so they survive later steps."""
-    for name, param in model.named_parameters():
+    for name, param in _selected(model, only):
         value = param.detach()
         full = value.full_tensor() if isinstance(value, DTensor) else value
         full = full if device is None else full.to(device)
@@ -99,6 +103,16 @@ def save_hf_folder(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, state_dict=state)
     _copy_tokenizer_files(source, out)
+
+
+def _selected(
+    model: torch.nn.Module, only: list[str] | None
+) -> list[tuple[str, torch.nn.Parameter]]:
+    params = list(model.named_parameters())
+    if only is None:
+        return params
+    by_name = dict(params)
+    return [(name, by_name[name]) for name in only]
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

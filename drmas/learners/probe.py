@@ -39,6 +39,7 @@ def grad_sq_norms(
     if not samples:
         raise ValueError("grad_sq_norms needs at least one sample")
     agent = samples[0].agent
+    trainer.use_agent(agent)  # on a LoRA base: the gradient of the agent's own adapter
     loss_cfg = dataclasses.replace(
         trainer.loss_cfg, entropy_coef=0.0, kl_coef=0.0, is_correction="none"
     )

@@ -1,8 +1,10 @@
 """One learner rank of one model: FSDP2-sharded policy, AdamW, the PPO step.
 
-Every public method except `param_specs` is a collective of the model's learner group:
-all ranks call it, in the same order, or the group hangs until its timeout. Loading the
-model and gathering it out again (publish, final save) are drmas/learners/model_io.py's.
+Every public method except `param_specs` and `use_agent` is a collective of the model's
+learner group: all ranks call it, in the same order, or the group hangs until its timeout.
+Loading the model and gathering it out again (publish, final save) are
+drmas/learners/model_io.py's. On a LoRA base (models.<m>.lora.rank > 0) the base is
+frozen and each agent trains its adapter: drmas/learners/adapters.py says how.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from drmas.learners import model_io
+from drmas.learners.adapters import AdapterSet
 from drmas.learners.batching import MicroBatch, empty_micro_batch, split_by_agent
 from drmas.learners.loss import policy_loss, token_logprobs_and_entropy
 from drmas.protocol.arrays import unpack_ids
@@ -29,6 +32,8 @@ from drmas.protocol.messages import BatchShard
 from drmas.transports.weights import TensorSpec
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+
     from drmas.config import DrmasConfig
 
 log = logging.getLogger("drmas.learner")
@@ -75,8 +80,11 @@ def precision_plan(precision: str) -> tuple[torch.dtype, MixedPrecisionPolicy | 
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks to shard one by one (HF causal LMs keep them in model.layers)."""
-    inner = getattr(model, "model", None)
+    """The repeated blocks to shard one by one (HF causal LMs keep them in model.layers;
+    a PeftModel keeps the causal LM in get_base_model())."""
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    inner = getattr(base, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no .model.layers to shard")
@@ -109,23 +117,28 @@ class Trainer:
         model_cfg = cfg.models[model]
         self.publish_dtype = model_io.publish_dtype(model_cfg.precision)
         """The dtype weights go to the actors in (the engines compute in it)."""
+        self.lora = AdapterSet(cfg, model) if cfg.has_adapters(model) else None
+        """The adapters per agent on a LoRA base; None: the whole model trains."""
         self.model = self._sharded_policy()
         self.vocab_size = int(self.model.config.vocab_size)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            self.lora.param_groups(self.model) if self.lora else self.model.parameters(),
             lr=cfg.lr_of(model),
             weight_decay=model_cfg.weight_decay,
             betas=(model_cfg.betas[0], model_cfg.betas[1]),
         )
+        if self.lora:
+            self.lora.init_optimizer_state(self.optimizer)
         self.reference = self._reference()
         if entropy_metric is None:
             entropy_metric = self.vocab_size <= 32768
         self.with_entropy = entropy_metric or self.loss_cfg.entropy_coef != 0
 
-    def _sharded_policy(self) -> PreTrainedModel:
+    def _sharded_policy(self) -> PreTrainedModel | PeftModel:
         """The policy in its master dtype, in train mode, each decoder layer and then the
-        whole model sharded over the learner group (FSDP2, also for world size 1)."""
+        whole model sharded over the learner group (FSDP2, also for world size 1); on a
+        LoRA base, the PeftModel of the base and its adapters."""
         model_cfg = self.cfg.models[self.name]
         master, policy = precision_plan(model_cfg.precision)
         if model_cfg.precision == "bf16-pure" and self.rank == 0:
@@ -141,12 +154,14 @@ class Trainer:
             # Each decoder layer's activations are recomputed in backward instead of kept
             # (non-reentrant, which composes with FSDP2's per-layer gathers).
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # adapters before sharding: FSDP2 shards the frozen base and the adapters alike
+        model = self.lora.wrap(lm, master) if self.lora else lm
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp_policy = policy or MixedPrecisionPolicy()  # the default policy casts nothing
-        for layer in decoder_layers(lm):
+        for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-        fully_shard(lm, mesh=mesh, mp_policy=mp_policy)
-        return lm
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        return model
 
     def _reference(self) -> PreTrainedModel | None:
         """The frozen reference of the KL term, None without one (kl_coef 0). Unsharded and
@@ -197,6 +212,7 @@ class Trainer:
         agent_sq = torch.zeros(len(self.agents), dtype=torch.float64)
         for a, agent in enumerate(self.agents):
             before = self._grad_shards() if self.cfg.learner.per_agent_grad_norm else None
+            self.use_agent(agent)
             for i, mb in enumerate(mini.plan[agent]):
                 tick()
                 old = mini.old_logprobs[agent][i] if mini.old_logprobs else None
@@ -263,6 +279,7 @@ class Trainer:
         """π_old's log-probs of every micro-batch, before any update of this batch."""
         for mini in minibatches:
             for agent in self.agents:
+                self.use_agent(agent)
                 mini.old_logprobs[agent] = []
                 for mb in mini.plan[agent]:
                     tick()
@@ -360,6 +377,11 @@ class Trainer:
         )  # [1, N-1]
         return packed.unpack(logprobs), None if entropy is None else packed.unpack(entropy)
 
+    def use_agent(self, agent: str) -> None:
+        """On a LoRA base, forward passes from now on use `agent`'s adapter (local)."""
+        if self.lora:
+            self.lora.use(agent)
+
     def _grad_shards(self) -> list[torch.Tensor | None]:
         """A copy of this rank's shards of the accumulated gradients."""
         return [
@@ -382,6 +404,8 @@ class Trainer:
     def _clip(self) -> float:
         """Global gradient norm before clipping; clips in place when grad_clip > 0."""
         max_norm = self.cfg.learner.grad_clip if self.cfg.learner.grad_clip > 0 else math.inf
+        if self.lora:
+            return self.lora.clip(self.optimizer, max_norm)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -424,25 +448,35 @@ class Trainer:
     def param_specs(self) -> list[TensorSpec]:
         """(HF name, full shape, dtype) of what full_state_dict_iter(dtype=publish_dtype)
         yields, in order; local."""
+        if self.lora:
+            return self.lora.specs(self.model, self.publish_dtype)
         return model_io.param_specs(self.model, self.publish_dtype)
 
     def full_state_dict_iter(
         self, device: torch.device | str | None = "cpu", dtype: torch.dtype | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) per parameter (model_io.full_tensors). A collective: every
-        rank must exhaust it. `device` None keeps the tensors where they were gathered;
+        """(HF name, full tensor) per parameter (model_io.full_tensors); on a LoRA base the
+        adapters' only, sorted by name: what a publish carries. A collective: every rank
+        must exhaust it. `device` None keeps the tensors where they were gathered;
         `dtype` None keeps the master dtype (checkpoints), else casts (publishing)."""
+        if self.lora:
+            return self.lora.tensors(self.model, device, dtype)
         return model_io.full_tensors(self.model, device, dtype)
 
     def save_pretrained(self, out_dir: Path | str) -> None:
         """Collective: gather the weights; rank 0 writes an HF folder (config, weights and
-        the source folder's tokenizer files, when it has any)."""
+        the source folder's tokenizer files, when it has any); on a LoRA base that of the
+        base, and a PEFT folder per adapter in its adapters/ (AdapterSet.save)."""
+        if self.lora:
+            self.lora.save(self.source, Path(out_dir), self.rank)
+            return
         state = {}
         for name, tensor in self.full_state_dict_iter("cpu"):
             if self.rank == 0:
                 state[name] = tensor
         if self.rank == 0:
-            model_io.save_hf_folder(self.model, state, self.source, Path(out_dir))
+            lm = cast(PreTrainedModel, self.model)  # no adapters: the causal LM itself
+            model_io.save_hf_folder(lm, state, self.source, Path(out_dir))
             log.info("saved %s to %s", self.name, out_dir)
         dist.barrier()
 
