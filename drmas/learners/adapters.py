@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from drmas.learners import model_io
 from drmas.models.lora import (
+    ADAPTERS_FOLDER,
     activate_adapter,
     adapter_of_param,
     adapter_param_names,
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("drmas.learner")
 
-ADAPTERS_FOLDER = "adapters"
-"""RUN_DIR/models/<model>/adapters/<adapter>/: one PEFT folder per adapter."""
 _BASE_PREFIX = "base_model.model."
 
 

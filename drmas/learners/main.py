@@ -16,6 +16,9 @@ Message sequence per version v (rank 0 unless noted):
                                                    without members is closed by the broker
     [checkpoint of v + 1]                          every rank, when checkpoint.every divides it
 
+On a LoRA base (models.<m>.lora.rank > 0) a publish carries only the adapters, and the
+final save writes the base plus a PEFT folder per adapter (drmas/learners/adapters.py).
+
 With run.resume the group loads the checkpoint of the version the broker's Welcome names
 (drmas/learners/checkpoint.py); the actors still hold older weights, so the broker answers
 the first batch requests with republish and rank 0 sends them the resumed weights.

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
     from drmas.config.model import LoraConfig
 
+ADAPTERS_FOLDER = "adapters"
+"""A LoRA run exports RUN_DIR/models/<model>/ (the base, an HF folder) and
+RUN_DIR/models/<model>/adapters/<adapter>/ (one PEFT folder per adapter)."""
 BASE_ADAPTER = "__base__"
 """The name peft's mixed-batch inference (`adapter_names=`) uses for the base model."""
 _LORA_PREFIX = "lora_"

@@ -321,3 +321,44 @@ def test_export_is_the_base_and_a_peft_folder_per_adapter(
         ours = trainer.model(input_ids=ids).logits
         theirs = loaded.eval()(input_ids=ids).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def _variant(cfg: DrmasConfig, variant: str) -> DrmasConfig:
+    if variant == "pack":
+        cfg.learner.pack = True
+    elif variant == "checkpointing":
+        cfg.models[MODEL].activation_checkpointing = True
+    elif variant == "ppo":  # π_old fixed first, per agent with its adapter
+        cfg.learner.ppo_minibatches, cfg.learner.ppo_epochs = 2, 2
+    elif variant == "kl":  # the reference is the frozen base
+        cfg.algorithm.loss.kl_coef = 0.1
+    return cfg
+
+
+@pytest.mark.parametrize("variant", ["plain", "pack", "checkpointing", "ppo", "kl"])
+def test_learner_options_keep_adapters_apart(model_path: Path, group: None, variant: str) -> None:
+    """Packing and activation checkpointing change how the batch is computed, not the
+    update; several PPO updates and the KL term still move only the batch's adapters."""
+    from drmas.learners.trainer import Trainer
+
+    batch = shard_of([s for s in make_samples() if s.agent in ("a", "c")])
+    plain = Trainer(lora_config(model_path), MODEL, 0, 1, "cpu")
+    plain.step(batch)
+    trainer = Trainer(_variant(lora_config(model_path), variant), MODEL, 0, 1, "cpu")
+    before = adapters(trainer)
+    metrics = trainer.step(batch)
+    after = adapters(trainer)
+    assert metrics[f"skipped_steps/{MODEL}"] == 0.0
+    for name, start in before.items():
+        if ".b." in name or ".d." in name:
+            assert torch.equal(after[name], start), name
+        elif ".lora_B." in name:
+            assert not torch.equal(after[name], start), name
+    if variant in ("plain", "pack", "checkpointing"):
+        # the same float32 math in another order; AdamW's first step is ≈ lr·sign(g)
+        for name, expected in adapters(plain).items():
+            torch.testing.assert_close(after[name], expected, atol=1e-6, rtol=1e-5, msg=name)
+    if variant == "kl":
+        assert metrics[f"kl/{MODEL}"] == pytest.approx(0.0, abs=1e-9)  # policy = base at start
+    if variant == "ppo":
+        assert metrics[f"updates/{MODEL}"] == 4.0 and metrics[f"ppo_kl/{MODEL}"] != 0.0
