@@ -64,7 +64,8 @@ class LearnerConfig:
     each sequence (Hugging Face decoder LMs, which all take position_ids). No compute is
     spent on padding; loss and gradients equal the padded path (tested)."""
     grad_clip: PositiveFloat = 1.0
-    """Global gradient-norm clip."""
+    """Gradient-norm clip: of the whole model; on a LoRA base, of each adapter on its own
+    (one agent's large gradient must not shrink another agent's update)."""
     ppo_minibatches: Positive = 1
     """Optimizer updates per pass over a batch: the batch is split into this many
     mini-batches (the reference's ppo_mini_update_num: 1 in its math recipe, 5 in search).
