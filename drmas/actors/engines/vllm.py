@@ -30,6 +30,13 @@ while an update is under way. Around an update (EngineConfig.pause_mode):
           continue (tokens sampled so far keep their old-weight log-probs, as with hf).
   abort - vLLM aborts in-flight requests; `generate` resubmits each from its prompt once
           the engine resumes, so the caller still gets one complete, single-version result.
+
+LoRA base (models.<m>.lora.rank > 0): vLLM serves the frozen base with every adapter of the
+model (vllm_lora.py); a request runs with its GenerateRequest.adapter's current
+LoRARequest. A publish carries the adapter tensors only: the worker receives them and
+writes one PEFT folder per adapter, the engine adds each as a new LoRARequest and switches
+to it; no weight of the base is touched and nothing restarts. Requests already running
+finish on the adapter version they started with (their result's version says which).
 """
 
 from __future__ import annotations
@@ -39,12 +46,13 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from drmas.actors.engines import vllm_lora
 from drmas.actors.engines.base import GenerateRequest, GenerateResult, check_request
 from drmas.config.actor import EngineConfig
 from drmas.transports.weights import WeightSyncError
@@ -52,6 +60,7 @@ from drmas.transports.weights import WeightSyncError
 if TYPE_CHECKING:
     import torch
 
+    from drmas.config.model import LoraConfig
     from drmas.protocol.messages import JoinWeightGroup
 
 log = logging.getLogger("drmas.engine.vllm")
@@ -116,8 +125,16 @@ def _usable_bytes(cfg: EngineConfig) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def engine_args(model_path: Path, cfg: EngineConfig) -> dict[str, Any]:
-    """AsyncEngineArgs keyword arguments for one pool (pure: unit-tested without vLLM)."""
+def engine_args(
+    model_path: Path,
+    cfg: EngineConfig,
+    lora: LoraConfig | None = None,
+    adapters: Sequence[str] = (),
+    base_slot: bool = False,
+) -> dict[str, Any]:
+    """AsyncEngineArgs keyword arguments for one pool (pure: unit-tested without vLLM);
+    with `lora` and `adapters`, vLLM's LoRA serving of those adapters on the base
+    (`base_slot`: one more adapter slot, for base requests on CPU; vllm_lora.py)."""
     args: dict[str, Any] = {
         "model": str(model_path),
         "tokenizer": str(model_path),
@@ -133,6 +150,9 @@ def engine_args(model_path: Path, cfg: EngineConfig) -> dict[str, Any]:
         "disable_log_stats": True,
     }
     fixed = {"logprobs_mode", "worker_extension_cls", "model"}
+    if lora is not None and adapters:
+        args.update(vllm_lora.lora_engine_args(lora, adapters, base_slot))
+        fixed |= set(vllm_lora.LORA_ARGS)
     clash = fixed & set(cfg.extra_args)
     if clash:
         raise ValueError(f"engine extra_args may not set {sorted(clash)}: drmas relies on them")
@@ -143,7 +163,14 @@ def engine_args(model_path: Path, cfg: EngineConfig) -> dict[str, Any]:
 class VLLMEngine:
     """Engine protocol (base.py) and ReceivesWeights (engines/__init__.py) over AsyncLLM."""
 
-    def __init__(self, model_name: str, model_path: str | Path, cfg: EngineConfig) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        model_path: str | Path,
+        cfg: EngineConfig,
+        lora: LoraConfig | None = None,
+        adapters: Sequence[str] | None = None,
+    ) -> None:
         if cfg.tensor_parallel_size > 1:
             raise ValueError(
                 "engine vllm: tensor_parallel_size > 1 is not supported yet (every TP worker "
@@ -162,6 +189,10 @@ class VLLMEngine:
         self._pauses = 0  # pauses so far: a request aborted by one of them is restarted
         self._digest = ""
         self._vocab_size = 0
+        self.adapters: vllm_lora.AdapterServer | None = None
+        """LoRA base: its adapters' folders and LoRARequests (None: a full model)."""
+        if lora is not None and lora.rank > 0 and adapters:
+            self.adapters = vllm_lora.AdapterServer(model_name, self.model_path, lora, adapters)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -176,7 +207,11 @@ class VLLMEngine:
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        args = AsyncEngineArgs(**engine_args(self.model_path, self.cfg))
+        lora, adapters = (
+            (self.adapters.lora, self.adapters.adapters) if self.adapters else (None, [])
+        )
+        base_slot = not torch.cuda.is_available()  # vllm_lora.py: vLLM-CPU's LoRA ops
+        args = AsyncEngineArgs(**engine_args(self.model_path, self.cfg, lora, adapters, base_slot))
         try:
             self.llm = AsyncLLM.from_engine_args(args)
         except Exception as exc:
@@ -186,14 +221,21 @@ class VLLMEngine:
                 f"gpu_memory_utilization, or on CPU set VLLM_CPU_KVCACHE_SPACE in GiB)"
             ) from exc
         self._vocab_size = int(self.llm.model_config.get_vocab_size())
+        if self.adapters is not None:
+            await self.adapters.start(self.llm, base_slot)
         self._open.set()
-        log.info("%s: vLLM engine on %s (%s)", self.model_name, self.model_path, self.cfg.dtype)
+        log.info(
+            "%s: vLLM engine on %s (%s)%s", self.model_name, self.model_path, self.cfg.dtype,
+            f", LoRA adapters {adapters}" if adapters else "",
+        )  # fmt: skip
 
     async def close(self) -> None:
         self._open.set()  # release waiters; they then fail on the closed engine
         llm, self.llm = self.llm, None
         if llm is not None:
             await asyncio.to_thread(llm.shutdown, SHUTDOWN_TIMEOUT_S)
+        if self.adapters is not None:
+            self.adapters.close()
 
     # ---------------------------------------------------------------- requests
 
@@ -219,6 +261,7 @@ class VLLMEngine:
         if self.llm.errored:
             raise RuntimeError(f"engine {self.model_name!r}: vLLM's engine process died (see log)")
         check_request(request, self._vocab_size)
+        self._check_adapter(request.adapter)
         if request.max_new_tokens == 0:
             return GenerateResult([], [], "length", self.version)
         from vllm.inputs import TokensPrompt
@@ -230,13 +273,7 @@ class VLLMEngine:
             if self.llm is None:
                 raise RuntimeError(f"engine {self.model_name!r} closed")
             version, pauses = self.version, self._pauses
-            request_id = f"{self.model_name}-{next(self._ids)}"
-            final = None
-            async for output in self.llm.generate(prompt, params, request_id=request_id):
-                final = output
-            if final is None:
-                raise RuntimeError(f"vLLM returned nothing for request {request_id}")
-            out = final.outputs[0]
+            out, request_id = await self._run(prompt, params, request.adapter)
             if out.finish_reason == "abort" and self._pauses != pauses:
                 continue  # aborted by a weight update (abort mode): start again, new weights
             if out.finish_reason not in ("stop", "length"):
@@ -249,6 +286,33 @@ class VLLMEngine:
             f"engine {self.model_name!r}: request aborted by {MAX_RESTARTS} weight updates in a "
             f"row; use actor.engine.pause_mode=keep"
         )
+
+    def _check_adapter(self, adapter: str) -> None:
+        if self.adapters is not None:
+            self.adapters.slots.check(adapter)
+        elif adapter:
+            raise ValueError(
+                f"request for LoRA adapter {adapter!r}, but model {self.model_name!r} has no "
+                "adapters (models.<m>.lora.rank is 0)"
+            )
+
+    async def _run(self, prompt: Any, params: Any, adapter: str) -> tuple[Any, str]:
+        """Run one request to its end on the adapter's current LoRARequest (held until it
+        ends); (vLLM's CompletionOutput, request id)."""
+        request_id = f"{self.model_name}-{next(self._ids)}"
+        lora_request = self.adapters.slots.acquire(adapter) if self.adapters else None
+        final = None
+        try:
+            async for output in self.llm.generate(
+                prompt, params, request_id=request_id, lora_request=lora_request
+            ):
+                final = output
+        finally:
+            if self.adapters is not None:
+                await self.adapters.release(self.llm, lora_request)
+        if final is None:
+            raise RuntimeError(f"vLLM returned nothing for request {request_id}")
+        return final.outputs[0], request_id
 
     # ---------------------------------------------------------------- weights
 
@@ -269,18 +333,13 @@ class VLLMEngine:
         self._open.set()
 
     async def receive_weights(self, join: JoinWeightGroup, digest: bool) -> str:
-        """Call while paused: vLLM's workers join `join`'s group and load the buckets."""
+        """Call while paused: vLLM's workers join `join`'s group and load the buckets (on a
+        LoRA base: the adapters, as new LoRARequests)."""
         if self.llm is None:
             raise RuntimeError(f"engine {self.model_name!r}: call start() before receive_weights()")
-        payload = msgspec.msgpack.encode(join)
-        replies = await self.llm.collective_rpc(
-            "drmas_receive_weights",
-            timeout=join.timeout_s * 2 + RPC_MARGIN_S,
-            args=(payload, digest),
-        )
-        reply = replies[0]
-        if reply["error"]:
-            raise WeightSyncError(f"vLLM worker of {self.model_name!r}: {reply['error']}")
+        if self.adapters is not None:
+            return await self._receive_adapters(join, digest)
+        reply = await self._worker_call("drmas_receive_weights", join, digest)
         # Cached prefixes (and the KV of kept requests) were computed with the old weights.
         await asyncio.wait_for(
             self.llm.reset_prefix_cache(reset_running_requests=True), PAUSE_TIMEOUT_S
@@ -293,6 +352,47 @@ class VLLMEngine:
             reply["digest_source"] or "not computed",
         )  # fmt: skip
         return self._digest
+
+    async def _worker_call(self, method: str, join: JoinWeightGroup, *args: Any) -> dict[str, Any]:
+        """One weight RPC to the worker(s) (DrmasWorkerExtension); its error raised here."""
+        assert self.llm is not None
+        replies = await self.llm.collective_rpc(
+            method,
+            timeout=join.timeout_s * 2 + RPC_MARGIN_S,
+            args=(msgspec.msgpack.encode(join), *args),
+        )
+        reply: dict[str, Any] = replies[0]
+        if reply["error"]:
+            raise WeightSyncError(f"vLLM worker of {self.model_name!r}: {reply['error']}")
+        return reply
+
+    async def _receive_adapters(self, join: JoinWeightGroup, digest: bool) -> str:
+        """LoRA base: the worker writes the publish into one new PEFT folder per adapter,
+        each becomes a new LoRARequest serving from now on (vllm_lora.AdapterServer). The
+        prefix cache stays: a new adapter name is a new cache key; the base is unchanged."""
+        assert self.adapters is not None
+
+        async def fetch(folders: dict[str, str]) -> dict[str, Any]:
+            return await self._worker_call("drmas_receive_adapters", join, folders)
+
+        found, reply = await self.adapters.receive(self.llm, join.version, fetch, digest)
+        self.version, self._digest = join.version, found
+        log.info(
+            "%s: loaded adapters %s of version %d (%d tensors, %.1f MB) in %.2fs; digest %s",
+            self.model_name, self.adapters.adapters, join.version, reply["tensors"],
+            reply["bytes"] / 1e6, reply["seconds"], "read back" if found else "not computed",
+        )  # fmt: skip
+        return found
+
+    def backup_weights(self) -> object:
+        """RollsBack (engines/__init__.py): on a LoRA base a failed publish switches nothing,
+        so the version is all there is to put back; None (cannot roll back) otherwise."""
+        return self.version if self.adapters is not None else None
+
+    def restore_weights(self, backup: object) -> None:
+        if not isinstance(backup, int):
+            raise TypeError(f"engine {self.model_name!r}: nothing to restore ({backup!r})")
+        self.version = backup
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         raise NotImplementedError(

@@ -10,6 +10,11 @@ are not touched) and loads the buckets through vLLM's in-place reload path
 (qkv_proj, gate_up_proj), vocabulary padding and tied embeddings. On CPU a second plain
 `model.load_weights` can fail after vLLM's post-load processing; the reload path does not.
 
+On a LoRA base the publish carries adapter tensors only: `drmas_receive_adapters` receives
+them the same way (the worker's device, so the learner's NCCL group works on GPU) and
+writes each adapter's adapter_model.safetensors into the folder the engine named
+(vllm_lora.py); the engine then loads those folders as new LoRA adapters.
+
 Nothing here is imported by the actor process itself; vLLM imports it by name.
 """
 
@@ -18,11 +23,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import torch
 
+from drmas.actors.engines.vllm_lora import write_adapter_tensors
 from drmas.protocol.messages import JoinWeightGroup
 from drmas.transports.digest import Digest, digest_of
 from drmas.transports.weights import WeightReceiver
@@ -49,10 +56,7 @@ class DrmasWorkerExtension:
         nbytes = 0
         try:
             join = msgspec.msgpack.decode(join_payload, type=JoinWeightGroup)
-            receiver: WeightReceiver | None = getattr(self, "_drmas_receiver", None)
-            if receiver is None:  # kept across versions: its bucket buffers are reused
-                receiver = WeightReceiver(device=self.device)
-                self._drmas_receiver = receiver
+            receiver = self._drmas_weight_receiver()
 
             def tensors() -> Iterator[tuple[str, torch.Tensor]]:
                 nonlocal nbytes
@@ -82,6 +86,38 @@ class DrmasWorkerExtension:
             reply["error"] = f"{type(exc).__name__}: {exc}"
         reply.update(tensors=len(shapes), bytes=nbytes, seconds=time.monotonic() - start)
         return reply
+
+    def drmas_receive_adapters(
+        self, join_payload: bytes, folders: dict[str, str]
+    ) -> dict[str, Any]:
+        """LoRA base: receive one publish of adapter tensors and write each adapter's
+        adapter_model.safetensors into `folders[adapter]` (its adapter_config.json is
+        there already). Never raises (see drmas_receive_weights). Reply: error, tensors,
+        bytes, seconds."""
+        start = time.monotonic()
+        reply: dict[str, Any] = {"error": "", "tensors": 0, "bytes": 0}
+        try:
+            join = msgspec.msgpack.decode(join_payload, type=JoinWeightGroup)
+            receiver = self._drmas_weight_receiver()
+            # copies: the receiver reuses its bucket buffers, and the files are written last
+            named = [(name, t.to("cpu", copy=True)) for name, t in receiver.receive(join)]
+            receiver.release()
+            paths = {adapter: Path(folder) for adapter, folder in folders.items()}
+            reply["tensors"] = write_adapter_tensors(named, paths)
+            reply["bytes"] = sum(t.numel() * t.element_size() for _, t in named)
+        except Exception as exc:
+            log.exception("drmas adapter receive failed")
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+        reply["seconds"] = time.monotonic() - start
+        return reply
+
+    def _drmas_weight_receiver(self) -> WeightReceiver:
+        """This worker's receiver, kept across versions (its bucket buffers are reused)."""
+        receiver: WeightReceiver | None = getattr(self, "_drmas_receiver", None)
+        if receiver is None:
+            receiver = WeightReceiver(device=self.device)
+            self._drmas_receiver = receiver
+        return receiver
 
 
 def _repack_cpu_kept_weights(model: torch.nn.Module) -> None:

