@@ -1,13 +1,12 @@
 """The vllm engine's LoRA parts without vLLM (drmas/actors/engines/vllm_lora.py): engine
-arguments, the PEFT folders a publish becomes (peft itself loads them back), the digest
-read back from them, and the switch of LoRARequests driven against a stand-in for vLLM's
-AsyncLLM (add_lora / remove_lora). tests/integration/test_vllm_lora.py runs the real one.
+arguments, requests checked against the adapters, and the switch of LoRARequests driven
+against a stand-in for vLLM's AsyncLLM (add_lora / remove_lora).
+tests/integration/test_vllm_lora.py runs the real one; test_lora_folders.py the folders.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,11 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+from drmas.actors.engines import lora_folders as lf
 from drmas.actors.engines import vllm_lora as vl
 from drmas.actors.engines.vllm import VLLMEngine, engine_args
 from drmas.config.actor import EngineConfig
 from drmas.config.model import LoraConfig
-from drmas.models.lora import adapter_param_names, add_adapters, peft_saved_name
+from drmas.models.lora import adapter_param_names, add_adapters
 from drmas.transports.digest import digest_of
 
 ADAPTERS = ["solver", "verifier"]
@@ -102,60 +102,6 @@ def test_the_engine_takes_the_adapters_and_checks_requests(model_path: Path) -> 
         full._check_adapter("solver")
 
 
-# ------------------------------------------------------------------ folders
-def test_published_adapters_become_peft_folders_peft_loads(
-    model_path: Path, tmp_path: Path
-) -> None:
-    from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    learner = peft_model(model_path)
-    sent = published(learner)
-    folders = {a: tmp_path / a for a in ADAPTERS}
-    vl.write_adapter_configs(folders, LORA, str(model_path))
-    assert vl.write_adapter_tensors(sent, folders) == len(sent)
-    config = json.loads((folders["solver"] / vl.CONFIG_FILE).read_text())
-    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
-    assert sorted(config["target_modules"]) == sorted(LORA.target_modules)
-    assert vl.read_back_digest(folders) == digest_of(sent)  # what the learner digests
-    # peft reads each folder back as exactly the adapter that was sent
-    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-    loaded = PeftModel.from_pretrained(base, str(folders["solver"]), adapter_name="solver")
-    loaded.load_adapter(str(folders["verifier"]), adapter_name="verifier")
-    params = dict(loaded.named_parameters())
-    for name, tensor in sent:
-        assert torch.equal(params[name], tensor), name
-
-
-def test_a_publish_that_does_not_fit_the_adapters_is_refused(
-    model_path: Path, tmp_path: Path
-) -> None:
-    sent = published(peft_model(model_path))
-    folders = {a: tmp_path / a for a in ADAPTERS}
-    vl.write_adapter_configs(folders, LORA, "")
-    critic = [(n.replace(".verifier.", ".critic."), t) for n, t in sent]
-    with pytest.raises(ValueError, match=r"adapter 'critic'; this engine serves"):
-        vl.write_adapter_tensors(critic, folders)
-    only_solver = [(n, t) for n, t in sent if ".solver." in n]
-    with pytest.raises(ValueError, match=r"no tensors of adapter\(s\) \['verifier'\]"):
-        vl.write_adapter_tensors(only_solver, folders)
-
-
-def test_wire_name_inverts_peft_saved_name() -> None:
-    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.solver.weight"
-    assert vl.wire_name(peft_saved_name(name, "solver"), "solver") == name
-    with pytest.raises(ValueError, match="not a LoRA adapter tensor"):
-        vl.wire_name("model.norm.weight", "solver")
-
-
-def test_initial_adapters_are_zero_with_the_learners_names_and_shapes(model_path: Path) -> None:
-    zeros = vl.initial_adapter_tensors(model_path, LORA, ADAPTERS)
-    learner = dict(published(peft_model(model_path)))
-    assert sorted(n for n, _ in zeros) == sorted(learner)
-    for name, tensor in zeros:
-        assert tensor.shape == learner[name].shape and not tensor.any()
-
-
 # ------------------------------------------------------------------ slots
 @dataclass(frozen=True)
 class FakeRequest:
@@ -175,8 +121,8 @@ class FakeLLM:
         self.refuse: set[str] = set()
 
     async def add_lora(self, request: FakeRequest) -> bool:
-        assert (Path(request.lora_path) / vl.CONFIG_FILE).exists()
-        assert (Path(request.lora_path) / vl.TENSORS_FILE).exists()
+        assert (Path(request.lora_path) / lf.CONFIG_FILE).exists()
+        assert (Path(request.lora_path) / lf.TENSORS_FILE).exists()
         if request.lora_name.split("-")[0] in self.refuse:
             return False
         self.loaded[request.lora_int_id] = request
@@ -191,7 +137,7 @@ def worker(sent: list[tuple[str, torch.Tensor]]) -> Any:
     """The worker's part of a publish (vllm_worker.drmas_receive_adapters)."""
 
     async def fetch(folders: dict[str, str]) -> dict[str, Any]:
-        count = vl.write_adapter_tensors(sent, {a: Path(f) for a, f in folders.items()})
+        count = lf.write_adapter_tensors(sent, {a: Path(f) for a, f in folders.items()})
         return {"error": "", "tensors": count, "bytes": 0, "seconds": 0.0}
 
     return fetch

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import torch
 
-from drmas.actors.engines.vllm_lora import write_adapter_tensors
+from drmas.actors.engines.lora_folders import write_adapter_tensors
 from drmas.protocol.messages import JoinWeightGroup
 from drmas.transports.digest import Digest, digest_of
 from drmas.transports.weights import WeightReceiver
