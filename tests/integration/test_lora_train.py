@@ -1,0 +1,117 @@
+"""`drmas train` of four agents on one LoRA base: one frozen builtin tiny model `base`, the
+four agents of the fixture team (tests/fixtures/four_agents.py) bound to it, each training
+its own adapter in one learner group, the hf engine serving all four adapters from one
+copy of the base; every publish carries the adapters only and its digest matches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.fixtures.four_agents import FourAgents
+from tests.integration.conftest import drmas, read_metrics, read_summary
+
+pytestmark = pytest.mark.slow
+
+AGENTS = FourAgents.agents
+STEPS = 3
+BATCH_GROUPS = 2
+LAYERS = 4  # builtin:tiny-qwen2's decoder layers, each with q, k, v and o projections
+
+
+def write_config(path: Path) -> None:
+    bindings = ", ".join(f"{agent}: {{model: base}}" for agent in AGENTS)
+    path.write_text(
+        "workflow: {target: 'tests.fixtures.four_agents:FourAgents'}\n"
+        "models:\n"
+        "  base:\n"
+        "    path: builtin:tiny-qwen2\n"
+        "    lr: 1e-3\n"
+        "    warmstart: {steps: 60}\n"
+        "    lora: {rank: 4}\n"
+        f"agents: {{{bindings}}}\n"
+    )
+
+
+def test_four_agents_train_their_own_adapters_on_one_base(
+    tmp_path: Path, model_cache: Path
+) -> None:
+    config = tmp_path / "four.yaml"
+    write_config(config)
+    run_dir = tmp_path / "run"
+    out = drmas(
+        "train", "--config", str(config),
+        f"train.steps={STEPS}", "group_size=4", f"batch_groups={BATCH_GROUPS}",
+        "val.every=0", "val.at_start=false",
+        "sampling.max_new_tokens=12", "algorithm.loss.max_response_len=12",
+        "actor.engine.name=hf",
+        "broker.heartbeat_timeout_s=10", "weights.timeout_s=10",
+        f"run.dir={run_dir}", f"run.cache_dir={model_cache}",
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    train = [x for x in read_metrics(run_dir) if "val/tasks" not in x]
+    assert [x["step"] for x in train] == list(range(1, STEPS + 1))
+    for line in train:
+        for agent in AGENTS:
+            assert f"reward/{agent}/mean" in line
+        assert "loss/base" in line  # one model, one learner group
+        assert not [k for k in line if k.startswith("loss/") and k != "loss/base"]
+
+    summary = read_summary(run_dir)
+    assert summary["trained_groups"] == {"base": STEPS * BATCH_GROUPS}
+    c = summary["counters"]
+    assert c["weight_digest_match"] == c["weight_loads"] > 0  # every load: what was sent
+    assert c.get("weight_digest_mismatch", 0) == 0
+    learners = sorted(p.name for p in (run_dir / "logs").glob("learner-*.log"))
+    assert learners == ["learner-base-0.log"]  # one group (of one rank) trains all four
+
+    exported = check_exported_adapters(run_dir / "models" / "base")
+    source = yaml.safe_load((run_dir / "config.yaml").read_text())["models"]["base"]["path"]
+    before = load_file(str(Path(source) / "model.safetensors"))
+    after = load_file(str(run_dir / "models" / "base" / "model.safetensors"))
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the base stayed frozen
+    for agent in AGENTS:
+        # lora_B starts at zero and only the agent's own steps move it: it moved exactly
+        # when its agent's steps gave a gradient (an inactive adapter gets none)
+        learned = any(line[f"agent_grad_norm/{agent}"] > 0 for line in train)
+        moved = any(t.abs().max() > 0 for k, t in exported[agent].items() if "lora_B" in k)
+        assert moved == learned, agent
+
+
+def check_exported_adapters(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The base as a Hugging Face folder, and beside it one PEFT folder per agent that peft
+    loads onto that base, every tensor as saved; returns each agent's saved tensors."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from drmas.models.lora import adapter_of_param, adapter_param_names, peft_saved_name
+
+    assert (folder / "config.json").exists()
+    adapters = folder / "adapters"
+    assert sorted(p.name for p in adapters.iterdir()) == sorted(AGENTS)
+    saved: dict[str, dict[str, torch.Tensor]] = {}
+    for agent in AGENTS:
+        settings = json.loads((adapters / agent / "adapter_config.json").read_text())
+        assert settings["peft_type"] == "LORA" and settings["r"] == 4
+        saved[agent] = load_file(str(adapters / agent / "adapter_model.safetensors"))
+        assert len(saved[agent]) == LAYERS * 4 * 2  # lora_A and lora_B of each projection
+    base = AutoModelForCausalLM.from_pretrained(folder)
+    model = PeftModel.from_pretrained(base, adapters / AGENTS[0], adapter_name=AGENTS[0])
+    for agent in AGENTS[1:]:
+        model.load_adapter(adapters / agent, adapter_name=agent)
+    params = dict(model.named_parameters())
+    names = adapter_param_names(model)
+    assert len(names) == len(AGENTS) * LAYERS * 4 * 2
+    for name in names:
+        agent = adapter_of_param(name)
+        key = peft_saved_name(name, agent)
+        assert torch.equal(params[name].detach(), saved[agent][key].to(params[name].dtype)), name
+    return saved
