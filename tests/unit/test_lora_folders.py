@@ -15,9 +15,12 @@ import torch
 from drmas.actors.engines import lora_folders as lf
 from drmas.models.lora import peft_saved_name
 from drmas.transports.digest import digest_of
-from tests.unit.test_vllm_lora import ADAPTERS, LORA, model_path, peft_model, published
+from tests.unit.lora_helpers import ADAPTERS, LORA, peft_model, published, tiny_model_folder
 
-__all__ = ["model_path"]  # the fixture, shared with test_vllm_lora
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_folder(tmp_path_factory.mktemp("qwen2"))
 
 
 def test_published_adapters_become_peft_folders_peft_loads(

@@ -19,45 +19,13 @@ from drmas.actors.engines import vllm_lora as vl
 from drmas.actors.engines.vllm import VLLMEngine, engine_args
 from drmas.config.actor import EngineConfig
 from drmas.config.model import LoraConfig
-from drmas.models.lora import adapter_param_names, add_adapters
 from drmas.transports.digest import digest_of
-
-ADAPTERS = ["solver", "verifier"]
-LORA = LoraConfig(rank=4, alpha=8.0)
+from tests.unit.lora_helpers import ADAPTERS, LORA, peft_model, published, tiny_model_folder
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A two-layer Qwen2 small enough to build in milliseconds (config.json only)."""
-    from transformers import Qwen2Config
-
-    folder = tmp_path_factory.mktemp("qwen2")
-    Qwen2Config(
-        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-    ).save_pretrained(folder)  # fmt: skip
-    return folder
-
-
-def peft_model(model_path: Path, seed: int = 0) -> Any:
-    """The learner's side: the base with both adapters, lora_B made non-zero."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(123)
-    model = add_adapters(
-        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)), LORA, ADAPTERS
-    )
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-    return model
-
-
-def published(model: Any) -> list[tuple[str, torch.Tensor]]:
-    params = dict(model.named_parameters())
-    return [(n, params[n].detach().clone()) for n in adapter_param_names(model)]
+    return tiny_model_folder(tmp_path_factory.mktemp("qwen2"))
 
 
 # ------------------------------------------------------------------ engine arguments
