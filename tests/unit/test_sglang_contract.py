@@ -17,6 +17,8 @@ python/sglang/srt/entrypoints/http_server.py (`@app.post` / `@app.get` decorator
   POST /destroy_weights_update_group    DestroyWeightsUpdateGroupReqInput
   POST /begin_weight_update             BeginWeightUpdateReqInput (0.5.2x; 404 before)
   POST /end_weight_update               EndWeightUpdateReqInput
+  POST /load_lora_adapter               LoadLoRAAdapterReqInput (LoRA base)
+  POST /unload_lora_adapter             UnloadLoRAAdapterReqInput (LoRA base)
   GET  /health, GET /get_model_info     no body
 
 Response fields the adapter reads, checked by hand in sglang 0.5.23 source:
@@ -30,6 +32,9 @@ Response fields the adapter reads, checked by hand in sglang 0.5.23 source:
   checked below in the vendored io_struct.
   weight routes (http_server.py): {"success": bool, "message": str}, 200 or 400; the
   matching *ReqOutput types have exactly those fields (checked below).
+  /load_lora_adapter, /unload_lora_adapter (http_server.py): LoRAUpdateOutput, {"success":
+  bool, "error_message": str | None, "loaded_adapters": {name: path}}, 200 or 400 (checked
+  below); GenerateReqInput.lora_path takes a loaded adapter's name (None: the base).
   /get_model_info: {"weight_version": ..., "model_path": ..., ...}.
 """
 
@@ -49,6 +54,8 @@ from drmas.actors.engines import sglang_server as ss
 from drmas.actors.engines.base import GenerateRequest
 from drmas.config.actor import EngineConfig
 from drmas.config.types import PauseMode
+from drmas.transports.digest import digest_of
+from tests.unit.lora_helpers import ADAPTERS, LORA, peft_model, published, tiny_model_folder
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sglang"
 
@@ -61,6 +68,8 @@ ROUTES: dict[str, str | None] = {
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/begin_weight_update": "BeginWeightUpdateReqInput",
     "/end_weight_update": "EndWeightUpdateReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
     "/health": None,
     "/get_model_info": None,
 }
@@ -253,6 +262,19 @@ def test_weight_bodies_fit_their_request_types() -> None:
     assert violations("/continue_generation", sq.continue_body()) == []
 
 
+def test_lora_bodies_fit_their_request_types() -> None:
+    load = sq.load_lora_body("solver-v3-5", "/tmp/drmas-lora-m/solver-v3-5")
+    assert violations("/load_lora_adapter", load) == []
+    assert load == {"lora_name": "solver-v3-5", "lora_path": "/tmp/drmas-lora-m/solver-v3-5"}
+    assert violations("/unload_lora_adapter", sq.unload_lora_body("solver-v3-5")) == []
+    body = sq.generate_body(REQUEST, "solver-v3-5")
+    assert violations("/generate", body) == [] and body["lora_path"] == "solver-v3-5"
+    assert "lora_path" not in sq.generate_body(REQUEST)  # the base, or a full model
+    # both LoRA routes answer LoRAUpdateOutput (200, or 400 with success false)
+    reply = set(fields("LoRAUpdateOutput")) - {"rid", "http_worker_ipc"}
+    assert reply == {"success", "error_message", "loaded_adapters"}
+
+
 def test_dtype_names_we_send_are_torch_attribute_names() -> None:
     """SGLang turns each dtype string into `getattr(torch, name)`."""
     import torch
@@ -291,6 +313,9 @@ def test_every_call_the_engine_makes_fits_the_contract(monkeypatch: pytest.Monke
         engine._session = 1
         await engine.resume()
         assert engine.server_weight_version() == "3"
+        assert engine.backup_weights() is None  # a full model cannot roll back
+        with pytest.raises(ValueError, match="has no adapters"):
+            await engine.generate(GenerateRequest([1, 2], 1.0, 1.0, 1, adapter="solver"))
         await engine.close()
 
     asyncio.run(drive())
@@ -299,6 +324,63 @@ def test_every_call_the_engine_makes_fits_the_contract(monkeypatch: pytest.Monke
                       "/end_weight_update", "/continue_generation", "/get_model_info"]  # fmt: skip
     for route, body in sent:
         assert violations(route, body) == [], route
+
+
+def test_every_call_a_lora_engine_makes_fits_the_contract(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A LoRA base with HTTP recorded: two publishes (each adapter loaded under a new name
+    per version, the versions no request uses unloaded), generation on each adapter."""
+    sent: list[tuple[str, dict[str, Any] | None]] = []
+
+    def fake_http(url: str, route: str, body: dict[str, Any] | None, timeout_s: float):
+        sent.append((route, body))
+        if route == "/generate":
+            meta = {"finish_reason": {"type": "length", "length": 1}, "weight_version": "1",
+                    "output_token_logprobs": [[-0.5, 11, None]]}  # fmt: skip
+            return 200, {"text": "a", "output_ids": [11], "meta_info": meta}
+        return 200, {"success": True, "error_message": "", "loaded_adapters": {}}
+
+    monkeypatch.setattr(sq, "http_call", fake_http)
+    model = tiny_model_folder(tmp_path)
+    engine = sg.SGLangEngine(
+        "m", model, EngineConfig(), ss.SGLangOptions(url="http://x"), lora=LORA, adapters=ADAPTERS
+    )
+    assert engine.adapters is not None
+    engine.adapters.start()
+
+    async def drive() -> None:
+        first = await engine.generate(GenerateRequest([1, 2], 1.0, 1.0, 1, adapter="solver"))
+        assert first.version == 0
+        for version in (1, 2):
+            named = published(peft_model(model, seed=version))
+            engine.load_weights(named[:3], version)  # in buckets, loaded once whole
+            assert engine.version == version - 1
+            engine.load_weights(named[3:], version)
+            assert engine.version == version and engine.weights_digest() == digest_of(named)
+            await engine.generate(GenerateRequest([1, 2], 1.0, 1.0, 1, adapter="verifier"))
+        # the actor's failure path: a publish received in part is dropped, nothing loads
+        backup = engine.backup_weights()
+        engine.load_weights(named[:3], 3)
+        engine.restore_weights(backup)
+        engine.load_weights(named[3:], 3)
+        assert engine.version == 2 and engine.weights_digest() == digest_of(named)
+        with pytest.raises(ValueError, match=r"'critic'; this engine serves"):
+            await engine.generate(GenerateRequest([1, 2], 1.0, 1.0, 1, adapter="critic"))
+        await engine.close()
+
+    asyncio.run(drive())
+    for route, body in sent:
+        assert violations(route, body) == [], route
+    calls = [(r, (b or {}).get("lora_name", (b or {}).get("lora_path"))) for r, b in sent]
+    assert calls == [
+        ("/generate", None),  # before the first publish: the base
+        ("/load_lora_adapter", "solver-v1-1"), ("/load_lora_adapter", "verifier-v1-2"),
+        ("/generate", "verifier-v1-2"),
+        ("/load_lora_adapter", "solver-v2-3"), ("/load_lora_adapter", "verifier-v2-4"),
+        ("/unload_lora_adapter", "solver-v1-1"), ("/unload_lora_adapter", "verifier-v1-2"),
+        ("/generate", "verifier-v2-4"),
+    ]  # fmt: skip
 
 
 # ------------------------------------------------------------------ responses
@@ -343,6 +425,22 @@ def test_launch_args_use_sglang_server_flags() -> None:
     assert flags == {"--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static",
                      "--dtype", "--random-seed", "--context-length", "--disable-radix-cache"}  # fmt: skip
     assert args[args.index("--port") + 1] == "1234" and args[args.index("--tp-size") + 1] == "2"
+
+
+def test_launch_args_on_a_lora_base() -> None:
+    """ServerArgs fields enable_lora, max_lora_rank, lora_target_modules (a list: nargs)
+    and max_loras_per_batch: the adapters are loaded later, so rank and modules are given
+    up front (SGLang's LoRA docs, "Dynamic LoRA loading")."""
+    args = ss.launch_args(ss.SGLangOptions(command=["sglang"]), "/m", 1, LORA, ADAPTERS)
+    assert args[args.index("--enable-lora") :] == [
+        "--enable-lora", "--max-lora-rank", "4",
+        "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj",
+        "--max-loras-per-batch", "5",  # two versions of each adapter, and the base
+    ]  # fmt: skip
+    assert "--enable-lora" not in ss.launch_args(ss.SGLangOptions(command=["sglang"]), "/m", 1)
+    clash = ss.SGLangOptions(command=["sglang"], extra_args=["--max-lora-rank", "8"])
+    with pytest.raises(ValueError, match=r"may not set \['--max-lora-rank'\]"):
+        ss.launch_args(clash, "/m", 1, LORA, ADAPTERS)
 
 
 def test_options_come_from_the_engine_config_fields() -> None:

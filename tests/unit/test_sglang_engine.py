@@ -15,10 +15,18 @@ which weights generated a reply.
 Nothing waits on the clock: a test asks the fake (route /_fake/hold) to keep the next
 /generate in flight until a pause arrives, and waits (route /_fake/wait) until that request
 has reached the fake, so the pause is certain to catch it in flight.
+
+LoRA (the fake started with --enable-lora, as SGLang's launch_server parses it):
+/load_lora_adapter reads the PEFT folder it is given (refused, as SGLang does, for a name
+it holds, a rank above --max-lora-rank or modules outside --lora-target-modules),
+/generate with `lora_path` answers with log-prob -(0.1 + frac(sum of that adapter's
+tensors)), and /unload_lora_adapter of an adapter a request still runs on is recorded as
+a violation (SGLang would wait for that request, holding its adapter-update lock).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import datetime
 import json
@@ -27,6 +35,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -44,8 +53,13 @@ WAIT_S = 20.0
 class FakeSGLang:
     """State of one fake server; `handler()` gives the HTTP handler class."""
 
-    def __init__(self, sessions: bool = True) -> None:
+    def __init__(self, sessions: bool = True, lora: dict[str, Any] | None = None) -> None:
         self.sessions = sessions
+        self.lora = lora
+        """--enable-lora: {"rank", "targets", "per_batch"} from the launch flags; else None."""
+        self.adapters: dict[str, dict[str, torch.Tensor]] = {}
+        self.in_use: Counter[str] = Counter()
+        """Adapter name -> /generate requests running on it."""
         self.paused = False
         self.mode = ""
         self.session = False
@@ -63,8 +77,9 @@ class FakeSGLang:
         self.aborted = 0
         """/generate requests answered "abort" because of a pause."""
 
-    def logprob(self) -> float:
-        total = sum(float(t.double().sum()) for t in self.weights.values())
+    def logprob(self, adapter: str | None = None) -> float:
+        tensors = self.adapters[adapter] if adapter else self.weights
+        total = sum(float(t.double().sum()) for t in tensors.values())
         return -(0.1 + (total - math.floor(total)))
 
     def handle(self, route: str, body: dict[str, Any] | None) -> tuple[int, Any]:
@@ -96,6 +111,8 @@ class FakeSGLang:
             "routes": self.routes,
             "digest": digest_of(self.weights.items()) if self.weights else "",
             "groups": sorted(self.groups),
+            "adapters": sorted(self.adapters),
+            "lora": self.lora,
         }
 
     def do_health(self, body: None) -> tuple[int, Any]:
@@ -116,6 +133,18 @@ class FakeSGLang:
                 raise TimeoutError(f"fake SGLang: no {what} within {WAIT_S}s")
 
     def do_generate(self, body: dict[str, Any]) -> tuple[int, Any]:
+        adapter = body.get("lora_path")
+        if adapter is not None and adapter not in self.adapters:
+            return 400, {
+                "error": f"The following requested LoRA adapters are not loaded: {adapter}"
+            }
+        self.in_use[adapter or ""] += 1
+        try:
+            return self.generate(body, adapter)
+        finally:
+            self.in_use[adapter or ""] -= 1
+
+    def generate(self, body: dict[str, Any], adapter: str | None) -> tuple[int, Any]:
         params = body["sampling_params"]
         n = params["max_new_tokens"]
         with self.changed:
@@ -133,7 +162,7 @@ class FakeSGLang:
             return 200, {"text": "", "output_ids": [], "meta_info": meta}
         self._wait(lambda: not self.paused, "continue")  # retract: it waits in the queue
         ids = [(sum(body["input_ids"]) + i) % 50 + 3 for i in range(n)]
-        lp = self.logprob()
+        lp = self.logprob(adapter)
         meta = {
             "id": "r",
             "finish_reason": {"type": "length", "length": n},
@@ -142,6 +171,40 @@ class FakeSGLang:
             "output_token_logprobs": [[lp, i, None] for i in ids],
         }
         return 200, {"text": "", "output_ids": ids, "meta_info": meta}
+
+    def do_load_lora_adapter(self, body: dict[str, Any]) -> tuple[int, Any]:
+        from safetensors.torch import load_file
+
+        name, folder = body["lora_name"], Path(body["lora_path"])
+        config = json.loads((folder / "adapter_config.json").read_text())
+        if self.lora is None:
+            problem = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+        elif name in self.adapters:
+            problem = f"LoRA with name {name} already exists."
+        elif config["r"] > self.lora["rank"] or not set(config["target_modules"]) <= set(
+            self.lora["targets"]
+        ):
+            problem = f"LoRA adapter {name} does not fit --max-lora-rank / --lora-target-modules"
+        else:
+            self.adapters[name] = load_file(str(folder / "adapter_model.safetensors"))
+            paths = {n: "loaded" for n in self.adapters}
+            return 200, {"success": True, "error_message": "", "loaded_adapters": paths}
+        return 400, {"success": False, "error_message": problem}
+
+    def do_unload_lora_adapter(self, body: dict[str, Any]) -> tuple[int, Any]:
+        name = body["lora_name"]
+        if name not in self.adapters:
+            return 400, {
+                "success": False,
+                "error_message": f"LoRA with name {name} does not exist.",
+            }
+        if self.in_use[name]:
+            self.violations.append(
+                f"unload of {name} while {self.in_use[name]} request(s) run on it"
+            )
+            return 400, {"success": False, "error_message": "in use"}
+        del self.adapters[name]
+        return 200, {"success": True, "error_message": "", "loaded_adapters": {}}
 
     def do_pause_generation(self, body: dict[str, Any]) -> tuple[int, Any]:
         self.set_paused(True, body.get("mode", "abort"))
@@ -232,19 +295,34 @@ class FakeSGLang:
         return Handler
 
 
-def serve(args: list[str]) -> None:
-    """Entry point of the fake managed server: accepts sglang.launch_server's flags."""
-    opts = dict(zip(args[::2], args[1::2]))
+def serve(argv: list[str]) -> None:
+    """Entry point of the fake managed server: parses sglang.launch_server's flags (the
+    ones the engine sends) as SGLang does; unknown flags are an error."""
+    parser = argparse.ArgumentParser()
+    for flag in ("--model-path", "--host", "--dtype"):
+        parser.add_argument(flag, required=True)
+    for flag in ("--port", "--tp-size", "--random-seed", "--context-length", "--max-lora-rank"):
+        parser.add_argument(flag, type=int)
+    parser.add_argument("--max-loras-per-batch", type=int, default=8)
+    parser.add_argument("--mem-fraction-static", type=float)
+    parser.add_argument("--lora-target-modules", nargs="*")
+    parser.add_argument("--disable-radix-cache", action="store_true")
+    parser.add_argument("--enable-lora", action="store_true")
+    args = parser.parse_args(argv)
     time.sleep(float(os.environ.get("FAKE_SGLANG_START_DELAY", "0.3")))  # "loading the model"
-    fake = FakeSGLang(sessions=os.environ.get("FAKE_SGLANG_SESSIONS", "1") == "1")
-    server = ThreadingHTTPServer((opts["--host"], int(opts["--port"])), fake.handler())
+    lora = None
+    if args.enable_lora:
+        lora = {"rank": args.max_lora_rank, "targets": args.lora_target_modules,
+                "per_batch": args.max_loras_per_batch}  # fmt: skip
+    fake = FakeSGLang(os.environ.get("FAKE_SGLANG_SESSIONS", "1") == "1", lora)
+    server = ThreadingHTTPServer((args.host, args.port), fake.handler())
     server.daemon_threads = True
     server.serve_forever()
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    serve([a for a in sys.argv[1:] if a != "--disable-radix-cache"])
+    serve(sys.argv[1:])
     sys.exit(0)
 
 
@@ -436,3 +514,130 @@ def test_managed_server_never_ready_times_out_and_is_killed(model_dir: Path) -> 
     with pytest.raises(TimeoutError, match="not ready within 1s"):
         asyncio.run(engine.start())
     assert engine.server is not None and engine.server.proc is None  # stopped (killed)
+
+
+# ------------------------------------------------------------------ LoRA
+from drmas.actors.engines.sglang_lora import SGLangAdapters  # noqa: E402
+from tests.unit.lora_helpers import (  # noqa: E402
+    ADAPTERS,
+    LORA,
+    peft_model,
+    published,
+    tiny_model_folder,
+)
+
+
+@pytest.fixture(scope="module")
+def lora_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tokenizer and a tiny Qwen2's config: what the engine reads of a LoRA base."""
+    from drmas.models.builtin import char_tokenizer
+
+    folder = tmp_path_factory.mktemp("lora-base")
+    char_tokenizer().save_pretrained(folder)
+    return tiny_model_folder(folder)
+
+
+async def publish_adapters(
+    engine: sg.SGLangEngine, sender: WeightSender, model: Path, version: int
+) -> list[tuple[str, torch.Tensor]]:
+    """A LoRA publish as the actor's sync_weights runs it: adapter tensors only."""
+    named = published(peft_model(model, seed=version))
+    name = f"m-v{version}"
+    join = JoinWeightGroup("m", version, name, sender.store_address, 1, 2, 20.0)
+    learner = asyncio.create_task(asyncio.to_thread(sender.publish, name, 2, named, 20.0))
+    await engine.pause()
+    try:
+        await asyncio.to_thread(
+            WeightReceiver().receive_into, join, lambda b: engine.load_weights(b, version)
+        )
+    finally:
+        await engine.resume()
+    await learner
+    return named
+
+
+def adapter_logprob(named: list[tuple[str, torch.Tensor]], adapter: str) -> float:
+    return expected_logprob([(n, t) for n, t in named if f".{adapter}." in n])
+
+
+def test_lora_adapters_load_per_version_and_old_ones_unload_once_unused(
+    lora_model_dir: Path,
+) -> None:
+    engine = sg.SGLangEngine(
+        "m", lora_model_dir, EngineConfig(), options(), lora=LORA, adapters=ADAPTERS
+    )
+    sender = WeightSender(WeightSyncConfig(bucket_mb=0.001))  # several buckets per publish
+
+    def on(adapter: str) -> GenerateRequest:
+        return GenerateRequest([1, 2, 3], 1.0, 1.0, 4, adapter=adapter)
+
+    async def main() -> None:
+        await engine.start()
+        try:
+            assert fake_state(engine)["lora"] == {
+                "rank": 4, "targets": LORA.target_modules, "per_batch": 5
+            }  # fmt: skip
+            first = await engine.generate(on("solver"))  # before any publish: the base
+            assert first.logprobs == [-0.1] * 4 and first.version == 0
+            v1 = await publish_adapters(engine, sender, lora_model_dir, 1)
+            assert engine.version == 1 and engine.weights_digest() == digest_of(v1)
+            assert fake_state(engine)["adapters"] == ["solver-v1-1", "verifier-v1-2"]
+            for adapter in ADAPTERS:
+                result = await engine.generate(on(adapter))
+                assert result.logprobs == pytest.approx([adapter_logprob(v1, adapter)] * 4)
+            # a solver request in flight across the next publish finishes on solver v1
+            await hold_next(engine)
+            inflight = asyncio.create_task(engine.generate(on("solver")))
+            await fake_reached(engine, "arrived", 4)
+            v2 = await publish_adapters(engine, sender, lora_model_dir, 2)
+            assert fake_state(engine)["adapters"] == [
+                "solver-v1-1", "solver-v2-3", "verifier-v2-4"
+            ]  # fmt: skip
+            old = await inflight
+            assert old.version == 1
+            assert old.logprobs == pytest.approx([adapter_logprob(v1, "solver")] * 4)
+            state = fake_state(engine)
+            assert state["adapters"] == ["solver-v2-3", "verifier-v2-4"]  # unloaded when unused
+            new = await engine.generate(on("solver"))
+            assert new.version == 2
+            assert new.logprobs == pytest.approx([adapter_logprob(v2, "solver")] * 4)
+            assert state["violations"] == []
+            assert "/init_weights_update_group" not in state["routes"]  # no bridge for LoRA
+        finally:
+            await engine.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert engine.adapters is not None and engine.adapters.root is None
+
+
+def test_lora_publish_that_fails_leaves_the_previous_adapters(lora_model_dir: Path) -> None:
+    """The actor's failure path (backup_weights / restore_weights) on a LoRA base: a
+    publish naming an unknown adapter, or one the server refuses half-way, switches
+    nothing, and what was loaded of it is unloaded again."""
+    calls: list[tuple[str, str]] = []
+    refuse = {"verifier-v1-2"}
+
+    def call(route: str, body: dict[str, Any]) -> Any:
+        calls.append((route, body["lora_name"]))
+        if body["lora_name"] in refuse and route == "/load_lora_adapter":
+            raise sq.SGLangHTTPError(f"SGLang server at x: {route} answered 400: rank")
+        return {"success": True}
+
+    adapters = SGLangAdapters("m", lora_model_dir, LORA, ADAPTERS, call)
+    adapters.start()
+    named = published(peft_model(lora_model_dir, seed=1))
+    with pytest.raises(sq.SGLangHTTPError, match="answered 400"):
+        adapters.receive(named, 1)
+    assert calls == [
+        ("/load_lora_adapter", "solver-v1-1"), ("/load_lora_adapter", "verifier-v1-2"),
+        ("/unload_lora_adapter", "solver-v1-1"),
+    ]  # fmt: skip
+    assert adapters.slots.current == {} and adapters.digest == ""
+    assert adapters.root is not None and list(adapters.root.iterdir()) == []
+    critic = [(n.replace(".verifier.", ".critic."), t) for n, t in named]
+    with pytest.raises(ValueError, match=r"'base_model\..*critic.*', not a tensor of adapters"):
+        adapters.receive(critic[:5], 2)
+    refuse.clear()
+    assert adapters.receive(named, 3) and adapters.digest == digest_of(named)
+    assert sorted(adapters.slots.current) == ADAPTERS
+    adapters.close()

@@ -24,6 +24,12 @@ requests go back to the queue and continue on the new weights, and the prefix ca
 be flushed; "abort" aborts them and this adapter resubmits them after resume), then
 `/begin_weight_update` ... `/end_weight_update` (SGLang >= 0.5.2x insists on that
 session; older servers answer 404 and are used without), then `/continue_generation`.
+
+LoRA base (models.<m>.lora.rank > 0): the server runs with LoRA enabled for the model's
+adapters (sglang_server.lora_flags) and each /generate names its adapter's current version
+in `lora_path`. A publish carries the adapter tensors only; they do not go over the
+bridge: once every one arrived they are written as PEFT folders and loaded with
+/load_lora_adapter as new versions, the old ones unloaded when unused (sglang_lora.py).
 """
 
 from __future__ import annotations
@@ -32,12 +38,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from drmas.actors.engines import sglang_requests as api
 from drmas.actors.engines.base import GenerateRequest, GenerateResult
+from drmas.actors.engines.sglang_lora import SGLangAdapters
 from drmas.actors.engines.sglang_server import ManagedServer, SGLangOptions, launch_args
 from drmas.config.actor import EngineConfig
 from drmas.transports.ports import free_port
@@ -46,6 +53,7 @@ if TYPE_CHECKING:
     import torch
 
     from drmas.actors.engines.sglang_bridge import WeightBridge
+    from drmas.config.model import LoraConfig
     from drmas.transports.digest import Digest
 
 log = logging.getLogger("drmas.engine.sglang")
@@ -60,6 +68,8 @@ class SGLangEngine:
         model_path: str | Path,
         cfg: EngineConfig,
         options: SGLangOptions | None = None,
+        lora: LoraConfig | None = None,
+        adapters: Sequence[str] | None = None,
     ) -> None:
         self.model_name = model_name
         self.model_path = str(model_path)
@@ -82,13 +92,23 @@ class SGLangEngine:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._closed = False
+        self.adapters: SGLangAdapters | None = None
+        """LoRA base: its adapters' versions on the server (None: a full model)."""
+        if lora is not None and lora.rank > 0 and adapters:
+            self.adapters = SGLangAdapters(
+                model_name, Path(model_path), lora, adapters, self._control_call
+            )
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         if not self.url:
             port = self.opts.port or free_port(self.opts.host)
             self.url = f"http://{self.opts.host}:{port}"
-            self.server = ManagedServer(launch_args(self.opts, self.model_path, port), self.url)
+            lora, adapters = (
+                (self.adapters.lora, self.adapters.adapters) if self.adapters else (None, [])
+            )
+            args = launch_args(self.opts, self.model_path, port, lora, adapters)
+            self.server = ManagedServer(args, self.url)
             log.info("%s: starting SGLang server: %s", self.model_name, " ".join(self.server.args))
             await asyncio.to_thread(self.server.start, self.opts.start_timeout_s)
         else:
@@ -98,6 +118,8 @@ class SGLangEngine:
             if status != 200:
                 raise RuntimeError(f"SGLang server at {self.url}: /health answered {status}")
         self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
+        if self.adapters is not None:
+            await asyncio.to_thread(self.adapters.start)
 
     def _load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -112,31 +134,22 @@ class SGLangEngine:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             await asyncio.to_thread(self.server.stop, 30.0)
+        if self.adapters is not None:
+            self.adapters.close()
 
     # ---------------------------------------------------------------- requests
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if not request.prompt_ids:
             raise ValueError("empty prompt")
+        self._check_adapter(request.adapter)
         if request.max_new_tokens == 0:
             return GenerateResult([], [], "length", self.version)
-        loop = asyncio.get_running_loop()
         while True:
             if self._closed:
                 raise RuntimeError("engine closed")
             await asyncio.wait_for(self._resumed.wait(), self.opts.request_timeout_s)
             version, pauses = self.version, self._pauses
-            status, reply = await loop.run_in_executor(
-                self._pool,
-                api.http_call,
-                self.url,
-                "/generate",
-                api.generate_body(request),
-                self.opts.request_timeout_s,
-            )
-            if status != 200 or not isinstance(reply, dict):
-                raise api.SGLangHTTPError(
-                    f"SGLang server at {self.url}: /generate {status}: {reply}"
-                )
+            reply = await self._post_generate(request)
             ids, logprobs, reason = api.parse_generate(reply)
             if reason != "abort":
                 return GenerateResult(ids, logprobs, reason, version)
@@ -146,6 +159,37 @@ class SGLangEngine:
                     "a prompt longer than the context? (actor.engine.max_model_len)"
                 )
             # aborted by our pause (abort mode): run it again, on the new weights
+
+    async def _post_generate(self, request: GenerateRequest) -> dict[str, Any]:
+        """One POST /generate on the thread pool, with the adapter's current version held
+        (on a LoRA base) until it returns; the reply checked."""
+        loaded = self.adapters.acquire(request.adapter) if self.adapters else None
+        try:
+            status, reply = await asyncio.get_running_loop().run_in_executor(
+                self._pool,
+                api.http_call,
+                self.url,
+                "/generate",
+                api.generate_body(request, loaded.lora_name if loaded else None),
+                self.opts.request_timeout_s,
+            )
+        finally:
+            if self.adapters is not None:
+                old = self.adapters.release(loaded)
+                if old is not None:  # superseded, and this was its last request
+                    await asyncio.to_thread(self.adapters.unload, old)
+        if status != 200 or not isinstance(reply, dict):
+            raise api.SGLangHTTPError(f"SGLang server at {self.url}: /generate {status}: {reply}")
+        return reply
+
+    def _check_adapter(self, adapter: str) -> None:
+        if self.adapters is not None:
+            self.adapters.slots.check(adapter)
+        elif adapter:
+            raise ValueError(
+                f"request for LoRA adapter {adapter!r}, but model {self.model_name!r} has no "
+                "adapters (models.<m>.lora.rank is 0)"
+            )
 
     async def pause(self) -> None:
         self._pauses += 1
@@ -183,12 +227,17 @@ class SGLangEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Forward one received bucket to the server (called from the actor's receive
         thread, the engine paused). Failing tears the bridge down; the next publish
-        builds a new one."""
+        builds a new one. On a LoRA base the buckets are kept until the publish is whole,
+        then loaded as new adapter versions (sglang_lora.py); the bridge is not used."""
         from drmas.transports.digest import Digest
         from drmas.transports.weights import spec_of
 
         from .sglang_bridge import Rendezvous
 
+        if self.adapters is not None:  # a LoRA base: adapters, loaded by folder
+            if self.adapters.receive(named_tensors, version):
+                self.version = version
+            return
         batch = list(named_tensors)
         if not batch:
             return
@@ -226,8 +275,28 @@ class SGLangEngine:
 
     def weights_digest(self) -> str:
         """Fingerprint of what was forwarded and acknowledged for the current version (the
-        server's own weights cannot be read back in full over HTTP)."""
+        server's own weights cannot be read back in full over HTTP); on a LoRA base, of the
+        adapter folders the server loaded, read back."""
+        if self.adapters is not None:
+            return self.adapters.digest
         return self._digest.hexdigest() if self._digest is not None else ""
+
+    def backup_weights(self) -> object:
+        """RollsBack (engines/__init__.py): on a LoRA base a publish switches adapters only
+        once all of it loaded, so a failed one leaves the previous version serving; None
+        (cannot roll back: the server loads buckets in place) otherwise."""
+        return self.version if self.adapters is not None else None
+
+    def restore_weights(self, backup: object) -> None:
+        if not isinstance(backup, int) or self.adapters is None:
+            raise TypeError(f"engine {self.model_name!r}: nothing to restore ({backup!r})")
+        self.adapters.discard()
+        self.version = backup
+
+    def _control_call(self, route: str, body: dict[str, Any]) -> Any:
+        """A checked control request (LoRA adapter loads and unloads) within the weight
+        timeout."""
+        return api.checked(self.url, route, body, self.opts.weight_timeout_s)
 
     def server_weight_version(self) -> str:
         """The weight_version the server reports (GET /get_model_info)."""

@@ -25,9 +25,10 @@ PAUSE_MODES: dict[PauseMode, str] = {"keep": "retract", "abort": "abort"}
 
 
 # ------------------------------------------------------------------ request bodies
-def generate_body(request: GenerateRequest) -> dict[str, Any]:
-    """POST /generate -> GenerateReqInput (sampling_params -> SamplingParams)."""
-    return {
+def generate_body(request: GenerateRequest, lora_name: str | None = None) -> dict[str, Any]:
+    """POST /generate -> GenerateReqInput (sampling_params -> SamplingParams); `lora_name`:
+    the loaded LoRA adapter to generate with (GenerateReqInput.lora_path takes its name)."""
+    body: dict[str, Any] = {
         "input_ids": list(request.prompt_ids),
         "sampling_params": {
             "temperature": float(request.temperature),
@@ -40,6 +41,9 @@ def generate_body(request: GenerateRequest) -> dict[str, Any]:
         "logprob_start_len": -1,  # log-probs of output tokens only
         "stream": False,
     }
+    if lora_name is not None:
+        body["lora_path"] = lora_name
+    return body
 
 
 def pause_body(mode: PauseMode) -> dict[str, Any]:
@@ -96,6 +100,17 @@ def update_body(
 def destroy_group_body(group_name: str) -> dict[str, Any]:
     """POST /destroy_weights_update_group -> DestroyWeightsUpdateGroupReqInput."""
     return {"group_name": group_name}
+
+
+def load_lora_body(name: str, path: str) -> dict[str, Any]:
+    """POST /load_lora_adapter -> LoadLoRAAdapterReqInput: the PEFT folder at `path` (on the
+    server's file system) becomes adapter `name`."""
+    return {"lora_name": name, "lora_path": path}
+
+
+def unload_lora_body(name: str) -> dict[str, Any]:
+    """POST /unload_lora_adapter -> UnloadLoRAAdapterReqInput."""
+    return {"lora_name": name}
 
 
 # ------------------------------------------------------------------ replies

@@ -17,13 +17,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from drmas.actors.engines import sglang_requests as api
 from drmas.config.actor import EngineConfig
 from drmas.config.types import PauseMode
+
+if TYPE_CHECKING:
+    from drmas.config.model import LoraConfig
 
 HEALTH_POLL_S = 0.2
 """Pause between /health probes of a starting server (it has no other readiness signal)."""
@@ -117,8 +121,32 @@ def require_sglang(opts: SGLangOptions) -> None:
         )
 
 
-def launch_args(opts: SGLangOptions, model_path: str, port: int) -> list[str]:
-    """The managed server's command line (SGLang's server_args flag names)."""
+LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch")
+"""The flags `lora_flags` sets (extra_args may not set them on a LoRA base)."""
+
+
+def lora_flags(lora: LoraConfig, adapters: Sequence[str]) -> list[str]:
+    """launch_server flags for serving `adapters` on the base, loaded later through
+    /load_lora_adapter (so rank and target modules are given up front). A batch may hold
+    two versions of every adapter while requests that started on the old one finish
+    (pause_mode=keep), plus the base (SGLang gives it a slot of its own)."""
+    return [
+        "--enable-lora",
+        "--max-lora-rank", str(lora.rank),
+        "--lora-target-modules", *lora.target_modules,
+        "--max-loras-per-batch", str(2 * len(adapters) + 1),
+    ]  # fmt: skip
+
+
+def launch_args(
+    opts: SGLangOptions,
+    model_path: str,
+    port: int,
+    lora: LoraConfig | None = None,
+    adapters: Sequence[str] = (),
+) -> list[str]:
+    """The managed server's command line (SGLang's server_args flag names); with `lora`
+    and `adapters`, LoRA serving of those adapters (`lora_flags`)."""
     args = [
         *opts.command,
         "--model-path", model_path,
@@ -133,6 +161,13 @@ def launch_args(opts: SGLangOptions, model_path: str, port: int) -> list[str]:
         args += ["--context-length", str(opts.context_length)]
     if not opts.prefix_caching:
         args.append("--disable-radix-cache")
+    if lora is not None and adapters:
+        clash = sorted(set(LORA_FLAGS) & set(opts.extra_args))
+        if clash:
+            raise ValueError(
+                f"engine extra_args may not set {clash} on a LoRA base: drmas sets them"
+            )
+        args += lora_flags(lora, adapters)
     return args + list(opts.extra_args)
 
 
