@@ -33,6 +33,7 @@ from drmas.models.lora import BASE_ADAPTER, adapter_of_param, adapter_param_name
 from drmas.protocol.messages import JoinWeightGroup
 from drmas.transports.digest import digest_of
 from drmas.transports.weights import WeightSender, WeightSyncError
+from tests.integration.conftest import drmas, read_summary
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -262,3 +263,34 @@ def test_failed_publish_keeps_the_previous_adapters_serving(
     assert [r.token_ids for r in after] == [r.token_ids for r in before]
     with pytest.raises(ValueError, match="this engine serves"):
         run(engine, engine.generate(GenerateRequest([1, 2], 0.0, 1.0, 2, adapter="critic")))
+
+
+def test_drmas_train_four_adapters_on_one_vllm_engine(tmp_path: Path, model_cache: Path) -> None:
+    """`drmas train` of the four-agent fixture team on one LoRA base served by vLLM: the
+    learner's publishes (adapters only) load into the running engine, and the digest the
+    engine reads back from the adapter folders equals the learner's every time."""
+    from tests.integration.test_lora_train import write_config
+
+    config = tmp_path / "four.yaml"
+    write_config(config)
+    run_dir = tmp_path / "run"
+    out = drmas(
+        "train", "--config", str(config),
+        "train.steps=3", "group_size=4", "batch_groups=2",
+        "val.every=0", "val.at_start=false",
+        "sampling.max_new_tokens=12", "algorithm.loss.max_response_len=12",
+        "actor.engine.name=vllm", "+actor.engine.extra_args.enforce_eager=true",
+        "broker.heartbeat_timeout_s=10", "weights.timeout_s=60",
+        f"run.dir={run_dir}", f"run.cache_dir={model_cache}",
+        timeout=420,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    actor_log = (run_dir / "logs" / "actor-0.log").read_text()
+    assert "vLLM engine on" in actor_log and "LoRA adapters" in actor_log
+    summary = read_summary(run_dir)
+    c = summary["counters"]
+    assert c.get("weight_digest_mismatch", 0) == 0
+    # every publish but the last is loaded and checked before the run ends (the last
+    # one can race the broker's end-of-training Shutdown)
+    assert c["weight_digest_match"] >= 2
+    assert summary["trained_groups"] == {"base": 6}
