@@ -1,7 +1,7 @@
 """The vllm engine's LoRA parts without vLLM (drmas/actors/engines/vllm_lora.py): engine
 arguments, requests checked against the adapters, and the switch of LoRARequests driven
 against a stand-in for vLLM's AsyncLLM (add_lora / remove_lora).
-tests/integration/test_vllm_lora.py runs the real one; test_lora_folders.py the folders.
+tests/integration/test_vllm_lora_live.py runs the real one; test_lora_folders.py the folders.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ ADD_TIMEOUT_S = 60.0
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The max_lora_rank values vLLM accepts (vllm/config/lora.py MaxLoRARanks, vLLM 0.32;
-tests/integration/test_vllm_lora.py checks them against the installed vLLM)."""
+tests/integration/test_vllm_lora_live.py checks them against the installed vLLM)."""
 LORA_ARGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 """The engine arguments `lora_engine_args` sets (extra_args may not set them on a LoRA base)."""
 BASE_SLOT = "__base__"
