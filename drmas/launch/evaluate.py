@@ -74,6 +74,8 @@ def choose_weights(
                 f"agent {sorted(cfg.agents)}"
             )
         path = Path(folder).expanduser().resolve()
+        if (path / "adapter_config.json").is_file() and cfg.has_adapters(model):
+            continue  # an agent's adapter: choose_adapters takes it
         if not (path / "config.json").is_file():
             raise EvalError(f"--model {name}={folder}: no Hugging Face folder (config.json) there")
         given[model] = path
@@ -83,6 +85,12 @@ def choose_weights(
         if model in given:
             chosen[model] = (given[model], "folder")
         elif step is not None:
+            if cfg.has_adapters(model):
+                raise EvalError(
+                    f"--step on model {model!r}, a LoRA base, is not supported yet: evaluate "
+                    "the run's final adapters (drmas eval RUN_DIR) or pass --model "
+                    "AGENT=ADAPTER_FOLDER"
+                )
             if root is None:
                 raise EvalError("--step needs a run folder")
             ckpt = store.find(root / model, step)
@@ -100,6 +108,48 @@ def choose_weights(
             chosen[model] = (initial, "initial")
             log.warning("model %s: no trained weights given, evaluating %s", model, initial)
     return chosen
+
+
+def choose_adapters(
+    cfg: DrmasConfig, run_dir: Path | None, folders: dict[str, str]
+) -> dict[str, dict[str, Path]]:
+    """LoRA bases: model -> adapter -> PEFT folder (adapter_config.json and
+    adapter_model.safetensors). `--model AGENT=DIR` names one agent's adapter; otherwise a
+    run's final adapters (RUN_DIR/models/<m>/adapters/<a>); an adapter with neither starts
+    as the base model (as its training did)."""
+    from drmas.models.lora import ADAPTERS_FOLDER
+
+    chosen: dict[str, dict[str, Path]] = {}
+    for model in sorted(m for m in cfg.models if cfg.has_adapters(m)):
+        found = {}
+        for adapter in cfg.adapters_of(model):
+            final = run_dir / "models" / model / ADAPTERS_FOLDER / adapter if run_dir else None
+            if final is not None and (final / "adapter_config.json").is_file():
+                found[adapter] = final
+        chosen[model] = found
+    for name, folder in folders.items():
+        path = Path(folder).expanduser().resolve()
+        if name in cfg.agents and (path / "adapter_config.json").is_file():
+            model = cfg.model_of(name)
+            if not cfg.has_adapters(model):
+                raise EvalError(
+                    f"--model {name}={folder} is a LoRA adapter, but model {model!r} has no "
+                    f"adapters (models.{model}.lora.rank is 0)"
+                )
+            chosen[model][cfg.adapter_of(name)] = path
+    return chosen
+
+
+def adapter_tensors(folder: Path, adapter: str) -> list[tuple[str, Any]]:
+    """A PEFT folder's tensors under the names the engines' adapters have."""
+    from safetensors.torch import load_file
+
+    from drmas.models.lora import name_from_saved
+
+    file = folder / "adapter_model.safetensors"
+    if not file.is_file():
+        raise EvalError(f"{folder}: no adapter_model.safetensors (a PEFT adapter folder?)")
+    return sorted((name_from_saved(k, adapter), t) for k, t in load_file(str(file)).items())
 
 
 def export_checkpoint(cfg: DrmasConfig, model: str, checkpoint: Path) -> Path:
@@ -150,20 +200,41 @@ def choose_tasks(cfg: DrmasConfig, data: Sequence[str], limit: int) -> list[Task
 
 
 # ---------------------------------------------------------------------- evaluating
+async def _load_adapters(engine: Any, folders: dict[str, Path]) -> None:
+    """The chosen adapters into a started engine (before any request)."""
+    named = [
+        pair for adapter, folder in folders.items() for pair in adapter_tensors(folder, adapter)
+    ]
+    await engine.pause()
+    try:
+        engine.load_weights(named, 0)
+    finally:
+        await engine.resume()
+
+
 async def sample(
-    cfg: DrmasConfig, weights: dict[str, tuple[Path, str]], tasks: list[Task], s: EvalSettings
+    cfg: DrmasConfig,
+    weights: dict[str, tuple[Path, str]],
+    tasks: list[Task],
+    s: EvalSettings,
+    adapters: dict[str, dict[str, Path]] | None = None,
 ) -> list[tuple[Task, list[float], list[dict[str, float]]]]:
-    """n episodes of every task by the team over engines holding `weights`."""
+    """n episodes of every task by the team over engines holding `weights` (and, on a LoRA
+    base, the `adapters` chosen for it)."""
+    adapters = adapters or {}
     from drmas.actors.engines import make_engine
-    from drmas.actors.main import make_workflow
+    from drmas.actors.main import engine_adapters, make_workflow
 
     engines = {}
     try:
         for model in sorted(cfg.models):
             pool = cfg.actor.engine_of(model)
             pool = dataclasses.replace(pool, seed=pool.seed + s.seed)
-            engines[model] = make_engine(model, str(weights[model][0]), pool)
+            lora = engine_adapters(cfg, model)
+            engines[model] = make_engine(model, str(weights[model][0]), pool, **lora)
             await engines[model].start()
+            if adapters.get(model):
+                await _load_adapters(engines[model], adapters[model])
         team = make_workflow(
             cfg,
             {a: cfg.model_of(a) for a in cfg.agents},
@@ -256,17 +327,19 @@ def run_eval(
     if not (0 < settings.top_p <= 1) or settings.temperature < 0:
         raise EvalError("--top-p must be in (0, 1] and --temperature >= 0")
     weights = choose_weights(cfg, run_dir, step, folders or {})
+    adapters = choose_adapters(cfg, run_dir, folders or {})
     tasks = choose_tasks(cfg, data, settings.tasks)
     log.info(
         "evaluating %s on %d tasks x %d samples", {m: w[1] for m, w in weights.items()},
         len(tasks), settings.samples,
     )  # fmt: skip
     start = time.monotonic()
-    results = asyncio.run(sample(cfg, weights, tasks, settings))
+    results = asyncio.run(sample(cfg, weights, tasks, settings, adapters))
     report = {
         "run": str(run_dir) if run_dir else None,
         "team": cfg.workflow.name,
         "weights": {m: {"path": str(p), "from": how} for m, (p, how) in weights.items()},
+        "adapters": {m: {a: str(p) for a, p in found.items()} for m, found in adapters.items()},
         "data": list(data) or f"{cfg.task.name} validation split",
         "settings": dataclasses.asdict(settings) | {"n": settings.samples},
         **score(results, settings),

@@ -163,14 +163,17 @@ async def sample_groups(cfg: DrmasConfig, count: int, size: int, seed: int) -> l
     """`count` groups of `size` episodes on training tasks drawn with `seed`, by the actor's
     workflow over engines holding the models' current (frozen) weights."""
     from drmas.actors.engines import make_engine
-    from drmas.actors.main import make_workflow
+    from drmas.actors.main import engine_adapters, make_workflow
     from drmas.tasks.source import TaskSource
 
     engines = {}
     for model in sorted(cfg.models):
         pool = cfg.actor.engine_of(model)
         engine = make_engine(
-            model, cfg.models[model].path, dataclasses.replace(pool, seed=pool.seed + seed)
+            model,
+            cfg.models[model].path,
+            dataclasses.replace(pool, seed=pool.seed + seed),
+            **engine_adapters(cfg, model),  # a LoRA base: its adapters as they start
         )
         await engine.start()
         engines[model] = engine

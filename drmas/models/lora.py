@@ -122,6 +122,16 @@ def peft_saved_name(name: str, adapter: str) -> str:
     return ".".join(parts[:i] + parts[i + 1 :])
 
 
+def name_from_saved(saved: str, adapter: str) -> str:
+    """The inverse of peft_saved_name: a key of adapter_model.safetensors as the parameter
+    name of `adapter` (`...q_proj.lora_A.weight` -> `...q_proj.lora_A.solver.weight`)."""
+    parts = saved.split(".")
+    at = [i for i, part in enumerate(parts) if part.startswith(_LORA_PREFIX)]
+    if len(at) != 1:
+        raise ValueError(f"{saved!r} is not one LoRA parameter of a PEFT adapter file")
+    return ".".join([*parts[: at[0] + 1], adapter, *parts[at[0] + 1 :]])
+
+
 def activate_adapter(peft_model: PeftModel, adapter: str) -> None:
     """Make `adapter` the one forward passes use. Every adapter keeps requires_grad True
     (peft's set_adapter clears it on the others): an inactive adapter is not in the

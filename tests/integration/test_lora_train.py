@@ -85,6 +85,20 @@ def test_four_agents_train_their_own_adapters_on_one_base(
         moved = any(t.abs().max() > 0 for k, t in exported[agent].items() if "lora_B" in k)
         assert moved == learned, agent
 
+    # drmas eval on the run: the base and every agent's exported adapter, one agent's
+    # adapter given as its own folder
+    report_file = tmp_path / "eval.json"
+    adapters = run_dir / "models" / "base" / "adapters"
+    out = drmas(
+        "eval", str(run_dir), "--tasks", "4", "--k", "1", "--n", "1",
+        "--model", f"{AGENTS[0]}={adapters / AGENTS[0]}", "--out", str(report_file),
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(report_file.read_text())
+    assert report["adapters"] == {"base": {a: str(adapters / a) for a in AGENTS}}
+    assert report["weights"]["base"]["from"] == "final"
+
 
 def check_exported_adapters(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
     """The base as a Hugging Face folder, and beside it one PEFT folder per agent that peft
