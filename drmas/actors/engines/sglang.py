@@ -60,7 +60,8 @@ log = logging.getLogger("drmas.engine.sglang")
 
 
 class SGLangEngine:
-    """Engine protocol (drmas/actors/engines/base.py) over an SGLang HTTP server."""
+    """Engine protocol (drmas/actors/engines/base.py) over an SGLang HTTP server; RollsBack
+    (engines/__init__.py) too, which only a LoRA base can (backup_weights is None otherwise)."""
 
     def __init__(
         self,

@@ -161,7 +161,8 @@ def engine_args(
 
 
 class VLLMEngine:
-    """Engine protocol (base.py) and ReceivesWeights (engines/__init__.py) over AsyncLLM."""
+    """Engine protocol (base.py) and ReceivesWeights (engines/__init__.py) over AsyncLLM;
+    RollsBack too, which only a LoRA base can (backup_weights is None otherwise)."""
 
     def __init__(
         self,
