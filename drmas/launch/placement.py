@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from drmas.config import DrmasConfig
+    from drmas.config.model import LoraConfig
 
 _ENGINES_WITH_MEMORY = ("vllm", "sglang")  # engines that reserve a fraction of the GPU
 
@@ -273,9 +274,9 @@ def _in_range(gpus: tuple[int, ...], count: int, key: str) -> None:
 
 
 def adapter_plan(cfg: DrmasConfig) -> str:
-    """What each LoRA base holds: its adapters, one learner group for all of them, and the
-    adapter slots every engine serving it keeps (vLLM's max_loras / max_lora_rank, SGLang's
-    max_loras_per_batch / max_lora_rank). "" when no model has adapters."""
+    """What each LoRA base holds: its adapters (and the agents on each), one learner group
+    for all of them, and the adapter slots the engine serving it keeps. "" when no model
+    has adapters."""
     lines = []
     for model in cfg.models:
         if not cfg.has_adapters(model):
@@ -286,7 +287,24 @@ def adapter_plan(cfg: DrmasConfig) -> str:
         bound = ", ".join(f"{a} ({'+'.join(users[a])})" for a in adapters)
         lines.append(
             f"model {model}: {len(adapters)} LoRA adapters of rank {rank} on one frozen base "
-            f"[{bound}]; one learner group trains them all; each engine serving it holds "
-            f"max_loras={len(adapters)}, max_lora_rank={rank}"
+            f"[{bound}]; one learner group trains them all; "
+            + _engine_slots(cfg.actor.engine_of(model).name, cfg.models[model].lora, adapters)
         )
     return "\n".join(lines)
+
+
+def _engine_slots(engine: str, lora: LoraConfig, adapters: list[str]) -> str:
+    """The adapter slots an engine keeps for `adapters` (engines/vllm_lora.py,
+    engines/sglang_server.py decide them; said here before anything starts)."""
+    n = len(adapters)
+    if engine == "vllm":
+        from drmas.actors.engines.vllm_lora import lora_engine_args
+
+        args = lora_engine_args(lora, adapters)
+        return (
+            f"vLLM holds max_loras={args['max_loras']} (one more on CPU, where the base is "
+            f"served by an all-zero adapter), max_lora_rank={args['max_lora_rank']}"
+        )
+    if engine == "sglang":
+        return f"SGLang holds max_loras_per_batch={2 * n + 1}, max_lora_rank={lora.rank}"
+    return f"the {engine} engine holds one copy of the base and {n} adapters"

@@ -154,7 +154,18 @@ def test_the_plan_says_what_a_lora_base_holds() -> None:
     )
     assert adapter_plan(cfg) == (
         "model solver: 1 LoRA adapters of rank 8 on one frozen base [solver (solver+verifier)]; "
-        "one learner group trains them all; each engine serving it holds max_loras=1, "
-        "max_lora_rank=8"
+        "one learner group trains them all; the hf engine holds one copy of the base and 1 "
+        "adapters"
     )
+    vllm = load_config(
+        ["models.solver.lora.rank=4", "agents.verifier.model=solver", "actor.engine.name=vllm"]
+    )
+    assert adapter_plan(vllm).endswith(
+        "vLLM holds max_loras=2 (one more on CPU, where the base is served by an all-zero "
+        "adapter), max_lora_rank=8"  # rank 4 rounded up to vLLM's smallest slot that holds it
+    )
+    sglang = load_config(
+        ["models.solver.lora.rank=4", "agents.verifier.model=solver", "actor.engine.name=sglang"]
+    )
+    assert adapter_plan(sglang).endswith("SGLang holds max_loras_per_batch=5, max_lora_rank=4")
     assert adapter_plan(load_config([])) == ""  # full fine-tuning: nothing to say
