@@ -292,8 +292,9 @@ def test_chat_style_uses_the_template_and_full_instructions(chat_returns: str) -
     episode = _run(workflow)
     assert _agents(episode) == ["solver", "verifier"]
     assert engine.calls[0].prompt.startswith(
-        f"<system>{INSTRUCTIONS['solver']}\n<user>Question: 2+3\n"
-    )
+        f"<system>{INSTRUCTIONS['solver']}\n<user>Question: 3+4\n\nYou are the Solver. "
+        "Respond now.\n<assistant>3+4 = 7. \\boxed{7}\n<user>Question: 2+3\n"
+    )  # the worked example (prompts.EXAMPLES), then the question
     assert engine.calls[1].prompt.startswith(f"<system>{INSTRUCTIONS['verifier']}\n")
     assert "Solver: \\boxed{5}" in engine.calls[1].prompt
     assert all(isinstance(i, int) for i in engine.calls[0].request.prompt_ids)
