@@ -18,7 +18,6 @@ of the tiny builtins does not apply: `models.<m>.warmstart` is ignored for this 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -71,17 +70,11 @@ def _check_gguf_reader() -> None:
 
 def key_spec() -> dict[str, Any]:
     """What determines the built folder's bytes (drmas/models/builtin.py hashes it into the
-    cache folder's name): the GGUF file (name, size, a digest of its first MiB) and this
-    builder's version."""
-    path = gguf_path()
-    with path.open("rb") as f:
-        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
-    return {
-        "gguf": GGUF_FILE,
-        "size": path.stat().st_size,
-        "head": head,
-        "builder_version": BUILDER_VERSION,
-    }
+    cache folder's name): the GGUF file's name (which names the model and its
+    quantisation; .ci/run pins the package version) and this builder's version. Not the
+    file itself, so a folder built once serves every environment sharing the cache, also
+    one without the package (the vLLM venv, another node)."""
+    return {"gguf": GGUF_FILE, "builder_version": BUILDER_VERSION}
 
 
 def build_smollm2(folder: Path) -> None:

