@@ -1,8 +1,8 @@
 """LoRA adapters per agent on one base against one full model per agent: memory, weight
 sync and generation, each as a ratio lora / full measured in the same run.
 
-    .venv/bin/python benchmarks/bench_lora.py [--only train generate] [--agents 2 4]
-        [--cache DIR] [--out benchmarks/results/lora.json]
+    .venv/bin/python benchmarks/bench_lora.py [--only train generate engine_memory]
+        [--agents 2 4] [--cache DIR] [--out benchmarks/results/lora.json]
 
 Training: for N = 2 (the math team: solver, verifier) and N = 4 (the fixture team
 tests/fixtures/four_agents.py: proposer, checker, critic, finisher), two short `drmas train`
@@ -26,6 +26,11 @@ hf engines, one per agent, in one event loop, as an actor holds one engine per m
 also one engine without adapters serving them all (what the adapters themselves cost).
 Rounds alternate the three after a warm-up; medians of --reps rounds. The adapters' values
 (B is zero at the start) do not change the work a forward does.
+
+Engine memory on a real model: on the tiny model a process's own footprint (~450 MB)
+hides its 4 MB of weights, so each of N = 2, 4 also starts, in a fresh process, either N
+hf engines of builtin:smollm2-135m (135 M parameters, ~540 MB in fp32) or one with N
+adapters, generates one request per agent, and reports the process's peak RSS.
 
 The machine's load average is recorded before and after each part.
 """
