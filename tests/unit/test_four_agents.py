@@ -5,7 +5,6 @@ adapter each call names (its agent's on a LoRA base, shared by name; none otherw
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -13,27 +12,11 @@ from drmas.config import DrmasConfig, load_config
 from drmas.protocol.engine import Engine
 from drmas.protocol.messages import Episode, SamplingParams, Task
 from drmas.teams.resolve import team_class
-from tests.fixtures.engines import ScriptedEngine
+from tests.fixtures.engines import CharTokenizer, ScriptedEngine
 from tests.fixtures.four_agents import FourAgents
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=32)
-EOS = 3
 TASK = Task("t:0", "3+4", "7", "arithmetic")
-
-
-@dataclass
-class Encoding:
-    input_ids: list[int]
-
-
-class CharTokenizer:
-    eos_token_id = EOS
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
-        return Encoding([ord(c) for c in text])
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == EOS))
 
 
 def agent_of(prompt: str) -> str:

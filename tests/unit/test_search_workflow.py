@@ -15,27 +15,11 @@ from drmas.config.actor import WorkflowConfig
 from drmas.protocol.messages import Episode, SamplingParams, Task
 from drmas.teams.search.prompts import TINY_INSTRUCTIONS
 from drmas.teams.search.workflow import RetrieverTool, SearchTeam
-from tests.fixtures.engines import ScriptedEngine
+from tests.fixtures.engines import CharTokenizer, ScriptedEngine
 
 TASK = Task("kb:train:0", "In which country was Bo Taki born?", "Orsa", "kb", ["Orsa", "Orsa Land"])
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=32)
-EOS = 3
 AGENT_OF_LABEL = {"Verifier:": "verifier", "Search:": "searcher", "Answer:": "answerer"}
-
-
-@dataclass
-class Encoding:
-    input_ids: list[int]
-
-
-class CharTokenizer:
-    eos_token_id = EOS
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
-        return Encoding([ord(c) for c in text])
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == EOS))
 
 
 def _agent(prompt: str) -> str:

@@ -23,25 +23,9 @@ from drmas.teams.layout import TeamLayout
 from drmas.teams.math import MathTeam
 from drmas.teams.resolve import resolve, team_class, team_name
 from drmas.teams.search import SearchTeam
-from tests.fixtures.engines import ScriptedEngine
+from tests.fixtures.engines import CharTokenizer, ScriptedEngine
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=32)
-EOS = 3
-
-
-@dataclass
-class Encoding:
-    input_ids: list[int]
-
-
-class CharTokenizer:
-    eos_token_id = EOS
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
-        return Encoding([ord(c) for c in text])
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == EOS))
 
 
 CALLS: list[str] = []
