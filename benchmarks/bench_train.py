@@ -63,6 +63,10 @@ def run_train(overrides: list[str], cache: str = "", env: dict[str, str] | None 
         time.sleep(0.5)
     wall = time.monotonic() - start
     output = proc.stdout.read() if proc.stdout else ""
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise SystemExit(
+            f"drmas train exited {proc.returncode} before any metrics:\n{output[-3000:]}"
+        )
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     train = [x for x in lines if "val/tasks" not in x]
     val = [x for x in lines if "val/tasks" in x]

@@ -56,6 +56,10 @@ class LoraConfig:
     init_seed: int = 0
     """Seed of the adapters' initial A matrices, so learners and engines start from the
     same adapters (B starts at zero, so every adapter starts as the base model)."""
+    export_merged: bool = False
+    """At the end of a run also write RUN_DIR/models/<model>/merged/<adapter>/: the base
+    with that adapter merged in, a plain Hugging Face folder any tool loads without peft
+    (a whole model's size per adapter)."""
 
 
 @dataclass

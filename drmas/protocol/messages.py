@@ -24,7 +24,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 Role = Literal["actor", "learner", "client"]
 
@@ -273,6 +273,9 @@ class BatchRequest(_Msg, tag="batch_request"):
     rank: int
     world_size: int
     version: int  # learner's current weight version = the step it is about to take
+    # LoRA base: adapter -> its own version at `version` (the optimizer steps that changed
+    # it); the broker's staleness bound counts those. Empty for a whole model.
+    adapter_versions: dict[str, int] = {}
 
 
 class Sample(msgspec.Struct, forbid_unknown_fields=True):
@@ -320,6 +323,7 @@ class PublishRequest(_Msg, tag="publish_request"):
     model: str
     version: int
     store_address: str
+    adapter_versions: dict[str, int] = {}  # LoRA base: as in BatchRequest, at `version`
 
 
 # broker -> learner rank 0: who receives. Learner is rank 0, members[i] is rank i + 1.
@@ -329,6 +333,9 @@ class WeightGroupPlan(_Msg, tag="weight_group_plan"):
     group_name: str
     members: list[str]
     timeout_s: float
+    # LoRA base: the adapters this publish carries, those whose version differs from what
+    # some member holds (the others every member holds already). Unused for a whole model.
+    adapters: list[str] = []
 
 
 # broker -> actor, unsolicited: join this weight group and receive `version` of `model`.
@@ -361,7 +368,9 @@ class PublishDone(_Msg, tag="publish_done"):
     bytes: int
     ok: bool = True
     error: str = ""
-    digest: str = ""  # fingerprint of the weights sent ("" = not computed)
+    # fingerprint of the weights sent ("" = not computed); on a LoRA base, of every adapter
+    # at `version`, also those the publish did not carry (what each actor must then hold)
+    digest: str = ""
 
 
 # ------------------------------------------------------------------- control
