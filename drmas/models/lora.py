@@ -13,11 +13,21 @@ Names: a publish on a LoRA base carries only the adapter tensors, under the name
 `adapter_of_param` reads the adapter back from such a name; `peft_saved_name` is the name
 peft's adapter_model.safetensors uses for it (the adapter segment removed), for writing
 an adapter folder that `peft.PeftModel.from_pretrained` (and vLLM) load.
+
+Folders: the end of a run writes RUN_DIR/models/<model>/ (the base) and
+RUN_DIR/models/<model>/adapters/<adapter>/ (`save_adapter_folder`, called by
+drmas/learners/adapters.py); with `models.<m>.lora.export_merged` also
+RUN_DIR/models/<model>/merged/<adapter>/ (`write_merged_folders`): the base with that
+adapter merged in, a plain Hugging Face folder for tools without peft. `drmas eval --step`
+writes a learner checkpoint's adapters as PEFT folders with `write_adapter_folder`.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import logging
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,14 +36,23 @@ import torch
 
 if TYPE_CHECKING:
     from peft import LoraConfig as PeftLoraConfig
-    from peft import PeftModel
+    from peft import PeftConfig, PeftModel
     from transformers import PreTrainedModel
 
     from drmas.config.model import LoraConfig
 
+log = logging.getLogger("drmas.models")
+
 ADAPTERS_FOLDER = "adapters"
 """A LoRA run exports RUN_DIR/models/<model>/ (the base, an HF folder) and
 RUN_DIR/models/<model>/adapters/<adapter>/ (one PEFT folder per adapter)."""
+MERGED_FOLDER = "merged"
+"""With lora.export_merged, RUN_DIR/models/<model>/merged/<adapter>/: base + adapter merged."""
+MERGED_MARKER = "drmas_merged.json"
+"""A merged folder's record of its base and adapter; drmas eval reads it to refuse putting
+the adapters of a LoRA base on top of a model that already holds one."""
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+_WRITTEN_BY_SAVE = ("config.json", "generation_config.json", MERGED_MARKER)
 BASE_ADAPTER = "__base__"
 """The name peft's mixed-batch inference (`adapter_names=`) uses for the base model."""
 _LORA_PREFIX = "lora_"
@@ -152,14 +171,78 @@ def save_adapter_folder(
     """Write one adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors)
     that `peft.PeftModel.from_pretrained(base, out)` loads. `tensors`: (name as
     named_parameters() gives it, full tensor) of this adapter's parameters."""
+    write_adapter_folder(peft_model.peft_config[adapter], adapter, tensors, out, base_path)
+
+
+def write_adapter_folder(
+    config: PeftConfig,
+    adapter: str,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out: Path,
+    base_path: str = "",
+) -> None:
+    """save_adapter_folder without a PeftModel: `config` is the adapter's peft LoraConfig
+    (peft_model.peft_config[adapter], or `peft_config(lora)`); it is not modified."""
     from safetensors.torch import save_file
 
     state = {peft_saved_name(n, adapter): t.detach().contiguous() for n, t in tensors}
     if not state:
         raise ValueError(f"no tensors of adapter {adapter!r} to save")
-    config = copy.deepcopy(peft_model.peft_config[adapter])
+    config = copy.deepcopy(config)
     config.inference_mode = True
     config.base_model_name_or_path = base_path or None
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+# ------------------------------------------------------------------ merged export
+def write_merged_folders(base_folder: Path, adapters: list[str]) -> list[Path]:
+    """base_folder/merged/<adapter>/ for each adapter of base_folder/adapters/<adapter>/
+    (the layout a LoRA run exports: `write_merged` of each); returns the folders. Loads
+    the base once per adapter: a merge changes the base's weights in place."""
+    written = []
+    for adapter in adapters:
+        folder = base_folder / MERGED_FOLDER / adapter
+        written.append(write_merged(base_folder, base_folder / ADAPTERS_FOLDER / adapter, folder))
+        log.info("wrote %s: %s with adapter %s merged in", folder, base_folder, adapter)
+    return written
+
+
+def write_merged(base_folder: Path, adapter_folder: Path, out: Path) -> Path:
+    """The base at `base_folder` (an HF folder) with the PEFT adapter at `adapter_folder`
+    merged into its weights (W + (alpha / r) B A: peft's merge_and_unload, computed in
+    fp32) as a plain HF folder at `out`, which AutoModelForCausalLM, vLLM and SGLang load
+    without peft: config, weights in the base's dtype, generation config, the base folder's
+    tokenizer files, and MERGED_MARKER (which base, which adapter). Written to a temporary
+    folder and renamed, so `out` is complete or absent; an existing `out` is replaced."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if not (adapter_folder / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{adapter_folder}: no PEFT adapter folder (adapter_config.json)")
+    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype="auto")
+    dtype = base.dtype
+    merged = PeftModel.from_pretrained(base.float(), str(adapter_folder)).merge_and_unload()
+    merged.to(dtype)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp)
+    _copy_tokenizer_files(base_folder, tmp)
+    record = {"base": str(base_folder.resolve()), "adapter": str(adapter_folder.resolve())}
+    (tmp / MERGED_MARKER).write_text(json.dumps(record, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def _copy_tokenizer_files(source: Path, out: Path) -> None:
+    """The files of `source` save_pretrained does not write (tokenizer, chat template), not
+    its weights and not its folders (adapters/, merged/)."""
+    for path in source.iterdir():
+        if not path.is_file() or path.name.endswith(_WEIGHT_FILES):
+            continue
+        if path.name in _WRITTEN_BY_SAVE or (out / path.name).exists():
+            continue
+        shutil.copy2(path, out / path.name)
