@@ -1,7 +1,8 @@
 """`drmas eval`: the team on held-out tasks with frozen weights, scored per data source.
 
     drmas eval RUN_DIR                       the run's final weights (RUN_DIR/models/<m>)
-    drmas eval RUN_DIR --step 20             its learner checkpoints at version 20
+    drmas eval RUN_DIR --step 20             its learner checkpoints at version 20 (on a
+                                             LoRA base: the base and the checkpoint's adapters)
     drmas eval --model solver=DIR ...        model folders (by model or agent name) on the
                                              configured team (overrides as for train)
       [--data FILE ...] [--tasks N] [--k 16] [--n N] [--temperature 0.6] [--top-p 0.95]
@@ -16,7 +17,12 @@ Writes JSON (RUN_DIR/eval.json by default) and prints a table. The defaults are 
 paper's evaluation settings: temperature 0.6, top-p 0.95, k = 16.
 
 A learner checkpoint (sharded torch.distributed.checkpoint files) is first exported to a
-Hugging Face folder next to it (step-N/hf), built on the run's starting model folder.
+Hugging Face folder next to it (step-N/hf), built on the run's starting model folder; on a
+LoRA base the checkpoint holds only the adapters, exported as PEFT folders
+(step-N/adapters/<adapter>/) which the engines load onto the run's base, as a run's final
+adapters are (RUN_DIR/models/<m>/adapters/). A merged folder
+(RUN_DIR/models/<m>/merged/<adapter>/, models.<m>.lora.export_merged) is a whole model:
+evaluate it with models.<m>.lora.rank=0.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,8 +69,34 @@ class EvalSettings:
 def choose_weights(
     cfg: DrmasConfig, run_dir: Path | None, step: int | None, folders: dict[str, str]
 ) -> dict[str, tuple[Path, str]]:
-    """model -> (HF folder, where it came from). `folders` keys are model or agent names."""
-    from drmas.checkpoints import store
+    """model -> (HF folder, where it came from). `folders` keys are model or agent names.
+    On a LoRA base with `step`, the folder is the base the run started from (it never
+    changes); the checkpoint's adapters are choose_adapters'."""
+    given = _given_folders(cfg, folders)
+    chosen: dict[str, tuple[Path, str]] = {}
+    for model in sorted(cfg.models):
+        if model in given:
+            chosen[model] = (given[model], "folder")
+        elif step is not None and cfg.has_adapters(model):
+            find_checkpoint(cfg, run_dir, model, step)  # refused now if absent, before any load
+            chosen[model] = (_initial(cfg, model), f"base; adapters of checkpoint step {step}")
+        elif step is not None:
+            ckpt = find_checkpoint(cfg, run_dir, model, step)
+            chosen[model] = (export_checkpoint(cfg, model, ckpt), f"checkpoint step {step}")
+        elif run_dir is not None and (run_dir / "models" / model / "config.json").is_file():
+            chosen[model] = (run_dir / "models" / model, "final")
+        else:
+            chosen[model] = (_initial(cfg, model), "initial")
+            log.warning(
+                "model %s: no trained weights given, evaluating %s", model, chosen[model][0]
+            )
+    return chosen
+
+
+def _given_folders(cfg: DrmasConfig, folders: dict[str, str]) -> dict[str, Path]:
+    """model -> the whole-model folder `--model NAME=DIR` gives it (adapter folders are
+    choose_adapters')."""
+    from drmas.models.lora import MERGED_MARKER
 
     given: dict[str, Path] = {}
     for name, folder in folders.items():
@@ -78,49 +111,55 @@ def choose_weights(
             continue  # an agent's adapter: choose_adapters takes it
         if not (path / "config.json").is_file():
             raise EvalError(f"--model {name}={folder}: no Hugging Face folder (config.json) there")
+        if (path / MERGED_MARKER).is_file() and cfg.has_adapters(model):
+            raise EvalError(
+                f"--model {name}={folder} is a base with an adapter merged in, and model "
+                f"{model!r} is a LoRA base whose engine would add the adapters again: evaluate "
+                f"it as a whole model, with models.{model}.lora.rank=0 and --model "
+                f"{model}={folder} (every agent of {model!r} then runs it)"
+            )
         given[model] = path
-    chosen: dict[str, tuple[Path, str]] = {}
-    root = store.root_for(run_dir, cfg.checkpoint.dir) if run_dir else None
-    for model in sorted(cfg.models):
-        if model in given:
-            chosen[model] = (given[model], "folder")
-        elif step is not None:
-            if cfg.has_adapters(model):
-                raise EvalError(
-                    f"--step on model {model!r}, a LoRA base, is not supported yet: evaluate "
-                    "the run's final adapters (drmas eval RUN_DIR) or pass --model "
-                    "AGENT=ADAPTER_FOLDER"
-                )
-            if root is None:
-                raise EvalError("--step needs a run folder")
-            ckpt = store.find(root / model, step)
-            if ckpt is None:
-                have = [c.version for c in store.complete(root / model)]
-                raise EvalError(f"model {model!r} has no checkpoint at step {step} (has {have})")
-            chosen[model] = (export_checkpoint(cfg, model, ckpt.path), f"checkpoint step {step}")
-        elif run_dir is not None and (run_dir / "models" / model / "config.json").is_file():
-            chosen[model] = (run_dir / "models" / model, "final")
-        else:
-            from drmas.models.builtin import resolve_model_path
+    return given
 
-            m = cfg.models[model]
-            initial = resolve_model_path(m.path, cfg.run.cache_dir or None, m.warmstart, m.revision)
-            chosen[model] = (initial, "initial")
-            log.warning("model %s: no trained weights given, evaluating %s", model, initial)
-    return chosen
+
+def _initial(cfg: DrmasConfig, model: str) -> Path:
+    """The model's folder as a run resolves it (a builtin is built into the cache once)."""
+    from drmas.models.builtin import resolve_model_path
+
+    m = cfg.models[model]
+    return resolve_model_path(m.path, cfg.run.cache_dir or None, m.warmstart, m.revision)
+
+
+def find_checkpoint(cfg: DrmasConfig, run_dir: Path | None, model: str, step: int) -> Path:
+    """The folder of `model`'s complete learner checkpoint at version `step`."""
+    from drmas.checkpoints import store
+
+    if run_dir is None and not cfg.checkpoint.dir:
+        raise EvalError("--step needs a run folder (or checkpoint.dir=FOLDER)")
+    root = store.root_for(run_dir or "", cfg.checkpoint.dir)
+    ckpt = store.find(root / model, step)
+    if ckpt is None:
+        have = [c.version for c in store.complete(root / model)]
+        raise EvalError(f"model {model!r} has no checkpoint at step {step} (has {have})")
+    return ckpt.path
 
 
 def choose_adapters(
-    cfg: DrmasConfig, run_dir: Path | None, folders: dict[str, str]
+    cfg: DrmasConfig, run_dir: Path | None, folders: dict[str, str], step: int | None = None
 ) -> dict[str, dict[str, Path]]:
     """LoRA bases: model -> adapter -> PEFT folder (adapter_config.json and
-    adapter_model.safetensors). `--model AGENT=DIR` names one agent's adapter; otherwise a
-    run's final adapters (RUN_DIR/models/<m>/adapters/<a>); an adapter with neither starts
-    as the base model (as its training did)."""
+    adapter_model.safetensors). `--model AGENT=DIR` names one agent's adapter; otherwise
+    the learner checkpoint's at `step` (exported to its adapters/ folder), or a run's final
+    adapters (RUN_DIR/models/<m>/adapters/<a>); an adapter with none of these starts as
+    the base model (as its training did)."""
     from drmas.models.lora import ADAPTERS_FOLDER
 
     chosen: dict[str, dict[str, Path]] = {}
     for model in sorted(m for m in cfg.models if cfg.has_adapters(m)):
+        if step is not None:
+            ckpt = find_checkpoint(cfg, run_dir, model, step)
+            chosen[model] = export_checkpoint_adapters(cfg, model, ckpt)
+            continue
         found = {}
         for adapter in cfg.adapters_of(model):
             final = run_dir / "models" / model / ADAPTERS_FOLDER / adapter if run_dir else None
@@ -177,6 +216,63 @@ def export_checkpoint(cfg: DrmasConfig, model: str, checkpoint: Path) -> Path:
     AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+def export_checkpoint_adapters(cfg: DrmasConfig, model: str, checkpoint: Path) -> dict[str, Path]:
+    """The adapters of a LoRA base's learner checkpoint as PEFT folders
+    (checkpoint/adapters/<adapter>/, written once), by adapter, for those the config names.
+    The checkpoint holds only what trains (the adapters and their AdamW state); the
+    optimizer state is not read."""
+    from drmas.models.lora import (
+        ADAPTERS_FOLDER,
+        adapter_of_param,
+        peft_config,
+        write_adapter_folder,
+    )
+
+    out = checkpoint / ADAPTERS_FOLDER
+    if not out.is_dir():
+        by_adapter: dict[str, list[tuple[str, Any]]] = {}
+        for name, tensor in checkpoint_adapter_tensors(checkpoint).items():
+            by_adapter.setdefault(adapter_of_param(name), []).append((name, tensor))
+        config, base = peft_config(cfg.models[model].lora), str(_initial(cfg, model))
+        tmp = checkpoint / f".{ADAPTERS_FOLDER}-tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for adapter, tensors in sorted(by_adapter.items()):
+            write_adapter_folder(config, adapter, tensors, tmp / adapter, base)
+        tmp.rename(out)
+    have = sorted(p.name for p in out.iterdir() if (p / "adapter_config.json").is_file())
+    missing = [a for a in cfg.adapters_of(model) if a not in have]
+    if missing:
+        raise EvalError(
+            f"checkpoint {checkpoint} holds adapters {have}, not {missing} of model {model!r}: "
+            "evaluate it with the run's own config (RUN_DIR/config.yaml)"
+        )
+    return {adapter: out / adapter for adapter in cfg.adapters_of(model)}
+
+
+def checkpoint_adapter_tensors(checkpoint: Path) -> dict[str, Any]:
+    """Every adapter tensor of a LoRA base's learner checkpoint (full tensors, in the
+    dtype saved, under their PeftModel parameter names), read without a process group."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from drmas.learners.model_io import hf_name
+    from drmas.models.lora import is_adapter_param
+
+    meta = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    state: dict[str, Any] = {}
+    for key, item in meta.items():
+        model_key = key.startswith("model.")  # not the optimizer's ("optim.state...")
+        if model_key and is_adapter_param(key) and isinstance(item, TensorStorageMetadata):
+            state[key.removeprefix("model.")] = torch.empty(item.size, dtype=item.properties.dtype)
+    if not state:
+        raise EvalError(
+            f"checkpoint {checkpoint} holds no LoRA adapters (a whole model's checkpoint?)"
+        )
+    dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
+    return {hf_name(name): tensor for name, tensor in state.items()}
 
 
 # -------------------------------------------------------------------------- tasks
@@ -327,7 +423,7 @@ def run_eval(
     if not (0 < settings.top_p <= 1) or settings.temperature < 0:
         raise EvalError("--top-p must be in (0, 1] and --temperature >= 0")
     weights = choose_weights(cfg, run_dir, step, folders or {})
-    adapters = choose_adapters(cfg, run_dir, folders or {})
+    adapters = choose_adapters(cfg, run_dir, folders or {}, step)
     tasks = choose_tasks(cfg, data, settings.tasks)
     log.info(
         "evaluating %s on %d tasks x %d samples", {m: w[1] for m, w in weights.items()},
