@@ -9,7 +9,9 @@ splitting a group by model never changes a number, so `global` is the true GRPO 
 (the team's episode means) and `step_global` pools every step, whichever model serves
 which agent. Statistics stay per group (or pooled over the batch's groups, scope=batch).
 Staleness is checked at the cut; a slice that is too stale is dropped and reported to the
-caller.
+caller. A whole model counts it in model versions (v_l - v_b); a LoRA base in each step's
+own adapter's versions, through the staleness function BrokerState hands its buffer
+(drmas/broker/adapter_versions.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import NamedTuple, cast
 
 import numpy as np
 
+from drmas.broker.adapter_versions import Staleness
 from drmas.broker.advantages import compute_advantages
 from drmas.config.broker import AdvantageConfig
 from drmas.protocol.messages import BatchShard, GroupResult, Sample, Task
@@ -223,8 +226,14 @@ def shard(model: str, version: int, samples: list[Sample], world_size: int) -> l
     return shards
 
 
-def batch_stats(slices: list[GroupSlice], samples: list[Sample], version: int) -> dict[str, float]:
-    """Per-agent reward/score/advantage statistics and staleness of one batch."""
+def batch_stats(
+    slices: list[GroupSlice],
+    samples: list[Sample],
+    version: int,
+    stale: Staleness | None = None,
+) -> dict[str, float]:
+    """Per-agent reward/score/advantage statistics and staleness of one batch (`stale`:
+    how a sample's staleness is counted; None: in model versions)."""
     by_agent: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
     staleness = []
     scores = [
@@ -234,7 +243,10 @@ def batch_stats(slices: list[GroupSlice], samples: list[Sample], version: int) -
     ]
     for sample, (score, reward) in zip(samples, scores):
         by_agent[sample.agent].append((reward, score, sample.advantage))
-        staleness.append(version - sample.version)
+        if stale is None:
+            staleness.append(version - sample.version)
+        else:
+            staleness.append(stale(sample.agent, version, sample.version))
     stats: dict[str, float] = {"staleness/mean": float(np.mean(staleness)) if staleness else 0.0}
     if staleness:
         stats["staleness/max"] = float(np.max(staleness))
@@ -250,13 +262,24 @@ def batch_stats(slices: list[GroupSlice], samples: list[Sample], version: int) -
 
 
 class ModelBuffer:
-    """FIFO of group slices for one model, and the batches cut from it."""
+    """FIFO of group slices for one model, and the batches cut from it.
 
-    def __init__(self, model: str, batch_groups: int, max_staleness: int, adv: AdvantageConfig):
+    `stale` counts a step's staleness on a LoRA base (agent, v_l, v_b) -> versions; None
+    (a whole model) counts model versions, v_l - v_b."""
+
+    def __init__(
+        self,
+        model: str,
+        batch_groups: int,
+        max_staleness: int,
+        adv: AdvantageConfig,
+        stale: Staleness | None = None,
+    ) -> None:
         self.model = model
         self.batch_groups = batch_groups
         self.max_staleness = max_staleness
         self.adv = adv
+        self.stale = stale
         self.slices: collections.deque[GroupSlice] = collections.deque()
         self.cut: dict[int, CutBatch] = {}  # learner version -> batch (until it reports)
         self.batches_cut = 0
@@ -265,13 +288,21 @@ class ModelBuffer:
         self.slices.append(part)
 
     def drop_stale(self, version: int) -> list[GroupSlice]:
-        """Remove slices that would train `version` more than max_staleness after they were made."""
+        """Remove slices that would train `version` more than max_staleness after they were
+        made: on a LoRA base, a slice any step of which is that stale in its own adapter."""
         keep: collections.deque[GroupSlice] = collections.deque()
         dropped: list[GroupSlice] = []
         for part in self.slices:
-            (dropped if version - part.min_version > self.max_staleness else keep).append(part)
+            (dropped if self._too_stale(part, version) else keep).append(part)
         self.slices = keep
         return dropped
+
+    def _too_stale(self, part: GroupSlice, version: int) -> bool:
+        eta, stale = self.max_staleness, self.stale
+        if stale is None:
+            return version - part.min_version > eta
+        c = part.columns
+        return any(stale(a, version, v) > eta for a, v in zip(c.agents, c.versions))
 
     def batch_for(self, version: int, world_size: int) -> CutBatch | None:
         """The batch for `version`, cutting it if enough slices are buffered."""
@@ -287,7 +318,7 @@ class ModelBuffer:
             slices=slices,
             samples=samples,
             shards=shard(self.model, version, samples, world_size),
-            stats=batch_stats(slices, samples, version),
+            stats=batch_stats(slices, samples, version, self.stale),
         )
         self.cut[version] = batch
         self.batches_cut += 1

@@ -9,7 +9,8 @@ counts under `refused/<code>`. Reads BrokerState, never changes it:
 - `forbidden`: the sender's role (bound at its Hello) may not send this message type, or
   not for this model or rank;
 - `invalid`: a field is out of range (model name, rank, world size, version, list length,
-  and the limits of drmas/protocol/validate.py: lease requests, groups' sizes and tokens).
+  a LoRA base's adapter versions (drmas/broker/adapter_versions.py), and the limits of
+  drmas/protocol/validate.py: lease requests, groups' sizes and tokens).
 A refused GroupResult for a lease its sender holds raises `InvalidGroup`, which carries
 the lease: after the refusal the loop has BrokerState hand it back (`refuse_group`), so
 its task is re-issued at once instead of at the lease's timeout.
@@ -331,6 +332,7 @@ class Gate:
                 f"batch for {msg.model} v{msg.version}; the learner is at v{current} "
                 f"(train.steps={self._steps})"
             )
+        self.state.adapter_versions.check(msg.model, msg.version, msg.adapter_versions)
 
     def _StepReport(self, who: Sender, msg: StepReport) -> None:
         self._own_rank(who, msg.model, 0, who.world_size)
@@ -351,6 +353,7 @@ class Gate:
         if msg.version != current:
             _invalid(f"publish of {msg.model} v{msg.version}; it has trained v{current}")
         self._text(msg.store_address, "store_address", 256)
+        self.state.adapter_versions.check(msg.model, msg.version, msg.adapter_versions)
 
     def _PublishDone(self, who: Sender, msg: PublishDone) -> None:
         self._own_rank(who, msg.model, 0, who.world_size)

@@ -3,7 +3,9 @@
 Line for step s (= model versions after s optimizer steps) is written once every model
 has reported step s and finished publishing its weights. It holds:
 - batch statistics (rewards, scores, advantages per agent, staleness);
-- learner metrics (loss, grad norms, train_s, batch_wait_s, weight_sync_s, ...);
+- learner metrics (loss, grad norms, train_s, batch_wait_s, ...) and the publish's
+  (`weight_sync_s/<model>`, `weight_sync_bytes/<model>`; on a LoRA base
+  `publish_adapters/<model>`, the adapters it carried: drmas/broker/publishing.py);
 - throughput: accepted episodes and response tokens per second over the last 30 s;
 - where the time went since the previous line: the broker's busy fraction
   (`broker/busy`, drmas/broker/cpu.py) and the actors' shares (`actors/generating`,

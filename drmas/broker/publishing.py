@@ -15,6 +15,11 @@ the actors broadcast over the group they hold instead of forming and tearing dow
 version (drmas/transports/weights/). Any change of members, a re-publish to a subset, a
 failed publish or load, or a new store starts a new group under a new name.
 
+On a LoRA base a publish carries only the adapters that changed since the version some
+member holds (`AdapterVersions.to_send`, drmas/broker/adapter_versions.py): the plan
+names them, and each metrics line says how many (`publish_adapters/<model>`) and how many
+bytes went out (`weight_sync_bytes/<model>`, every model).
+
 Bounded: digests are kept for the last three versions of each model only.
 """
 
@@ -29,6 +34,7 @@ from drmas.broker.leases import ActorRecord
 from drmas.protocol.messages import JoinWeightGroup, WeightGroupPlan
 
 if TYPE_CHECKING:
+    from drmas.broker.adapter_versions import AdapterVersions
     from drmas.broker.metrics import StepMetrics
     from drmas.config import DrmasConfig
 
@@ -43,13 +49,16 @@ class WeightPublishing:
         versions: dict[str, int],
         counters: collections.Counter[str],
         metrics: StepMetrics,
+        adapter_versions: AdapterVersions,
     ) -> None:
         self.cfg = cfg
+        self.adapter_versions = adapter_versions
         self.actors = actors
         self.versions = versions
         self.counters = counters
         self.metrics = metrics
         self.planned: dict[str, int] = {}  # model -> version of its last weight-group plan
+        self.carried: dict[str, int] = {}  # LoRA base -> adapters its last plan carried
         self.in_flight: dict[str, float] = {}  # model -> deadline of the publish in flight
         # (model, version) -> the learner's fingerprint / each actor's, until compared
         self.sent_digest: dict[tuple[str, int], str] = {}
@@ -76,8 +85,9 @@ class WeightPublishing:
         self, model: str, version: int, store_address: str, now: float
     ) -> tuple[WeightGroupPlan, list[tuple[str, JoinWeightGroup]]]:
         """The group for one publish: every actor serving `model`, or on a re-publish of
-        the same version only those that lack it. Returns the plan for the learner and
-        the join for each member."""
+        the same version only those that lack it; on a LoRA base, the adapters that changed
+        since what some member holds. Returns the plan for the learner and the join for
+        each member."""
         self._seq += 1
         full = False
         if self.closed:  # after Shutdown: no actor is there to receive (nor needs to)
@@ -94,6 +104,7 @@ class WeightPublishing:
             members = sorted(a.client_id for a in self.actors.values() if model in a.models)
             full = True
         self.planned[model] = version
+        adapters = self._adapters(model, version, members)
         name = self._group_name(model, store_address, members, full)
         timeout = self.cfg.weights.timeout_s
         size = len(members) + 1
@@ -105,7 +116,17 @@ class WeightPublishing:
             self.in_flight[model] = now + timeout + self.cfg.broker.heartbeat_timeout_s
         else:
             self.done(model, version, 0.0, ok=True)
-        return WeightGroupPlan(model, version, name, members, timeout), joins
+        return WeightGroupPlan(model, version, name, members, timeout, adapters), joins
+
+    def _adapters(self, model: str, version: int, members: list[str]) -> list[str]:
+        """What a publish of `version` to `members` carries on a LoRA base (counted for the
+        metrics line): members that never loaded a version hold v0, the initial adapters."""
+        if not self.cfg.has_adapters(model):
+            return []
+        held = [self.actors[c].versions.get(model, 0) for c in members]
+        adapters = self.adapter_versions.to_send(model, version, held)
+        self.carried[model] = len(adapters)
+        return adapters
 
     def _group_name(self, model: str, store: str, members: list[str], full: bool) -> str:
         """The name of the model's kept group when this publish goes to the same members
@@ -127,7 +148,16 @@ class WeightPublishing:
         """A failure in the model's group: its next publish forms a new one."""
         self.groups.pop(model, None)
 
-    def done(self, model: str, version: int, seconds: float, ok: bool, digest: str = "") -> None:
+    def done(
+        self,
+        model: str,
+        version: int,
+        seconds: float,
+        ok: bool,
+        digest: str = "",
+        sent_bytes: int = 0,
+    ) -> None:
+        """The learner's publish of `version` ended (PublishDone; or a plan without members)."""
         self.counters["weight_publishes" if ok else "weight_publishes_failed"] += 1
         self.in_flight.pop(model, None)
         if not ok:
@@ -136,9 +166,13 @@ class WeightPublishing:
             self.sent_digest[(model, version)] = digest
             self._compare(model, version)
         if version not in self.metrics.flushed:  # a re-publish of a reported step is not
-            self.metrics.report(  # a new metrics line
-                version, model, "publish", {f"weight_sync_s/{model}": seconds}, dict(self.counters)
-            )
+            values = {  # a new metrics line
+                f"weight_sync_s/{model}": seconds,
+                f"weight_sync_bytes/{model}": float(sent_bytes),
+            }
+            if model in self.carried:
+                values[f"publish_adapters/{model}"] = float(self.carried[model])
+            self.metrics.report(version, model, "publish", values, dict(self.counters))
 
     def loaded(self, client_id: str, model: str, version: int, ok: bool, digest: str = "") -> None:
         actor = self.actors.get(client_id)

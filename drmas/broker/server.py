@@ -302,11 +302,13 @@ class BrokerServer:
             case GroupResult():
                 self.on_group(cid, msg, admitted.lease, now)
             case BatchRequest():
+                st.adapter_versions.record(msg.model, msg.version, msg.adapter_versions)
                 self.send(cid, st.batch(msg.model, msg.rank, msg.world_size, msg.version, now))
             case StepReport():
                 st.step_report(msg.model, msg.version, msg.metrics)
                 self.checkpoints.after_step(st, msg.model, msg.version)
             case PublishRequest():
+                st.adapter_versions.record(msg.model, msg.version, msg.adapter_versions)
                 plan, joins = st.weights.plan(msg.model, msg.version, msg.store_address, now)
                 for actor, join in joins:
                     self.send(actor, join)
@@ -367,7 +369,7 @@ class BrokerServer:
         if isinstance(msg, PublishDone):
             if not msg.ok:
                 log.warning("publish of %s v%d failed: %s", msg.model, msg.version, clip(msg.error))
-            weights.done(msg.model, msg.version, msg.seconds, msg.ok, msg.digest)
+            weights.done(msg.model, msg.version, msg.seconds, msg.ok, msg.digest, msg.bytes)
             return
         if not msg.ok:
             log.warning(

@@ -7,14 +7,16 @@ Owns, one component per concern:
 - the task source and validation rounds: `validation` (drmas/broker/evaluation.py);
 - one buffer per model (drmas/broker/buffers.py), cut into batches;
 - weight publishing and digests: `weights` (drmas/broker/publishing.py);
+- each LoRA base's adapter versions: `adapter_versions` (drmas/broker/adapter_versions.py);
 - the models' versions, counters and metrics lines (drmas/broker/metrics.py).
 `snapshot` / `restore` carry it across a resume, each component saving its own part
 (the file and its consistency with the learners' checkpoints: drmas/broker/checkpoint.py).
 Rules:
 - admission: train groups in flight + buffered <= (η + 1) · B, and an actor gets a lease
   only if its weights are fresh enough for the batch that lease will land in;
-- staleness: a slice that would train version v_l more than η after it was generated is
-  dropped when its batch is cut, counted, and its task re-queued;
+- staleness: a slice that would train version v_l more than η after it was generated (on
+  a LoRA base: in the versions of its steps' adapters) is dropped when its batch is cut,
+  counted, and its task re-queued;
 - accounting: every accepted group is trained at most once per model (checked).
 """
 
@@ -28,6 +30,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from drmas.broker.adapter_versions import AdapterVersions
 from drmas.broker.buffers import ModelBuffer, split_group
 from drmas.broker.evaluation import Validation
 from drmas.broker.leases import ActorRecord, LearnerRecord, LeaseRecord, LeaseTable
@@ -72,10 +75,11 @@ class BrokerState:
         self.models = sorted(cfg.models)
         self.agent_models = {a: cfg.model_of(a) for a in cfg.agents}
         self.table = LeaseTable(cfg.broker.lease_timeout_s, cfg.group_size)
+        # each LoRA base's adapter versions, fed by BatchRequest and PublishRequest
+        self.adapter_versions = history = AdapterVersions(cfg)
+        eta, adv = cfg.algorithm.max_staleness, cfg.algorithm.advantage
         self.buffers = {
-            m: ModelBuffer(
-                m, cfg.batch_groups, cfg.algorithm.max_staleness, cfg.algorithm.advantage
-            )
+            m: ModelBuffer(m, cfg.batch_groups, eta, adv, history.staleness_of(m))
             for m in self.models
         }
         self.versions = dict.fromkeys(self.models, 0)
@@ -88,7 +92,7 @@ class BrokerState:
         self.accepted_groups: set[int] = set()
         self.validation = Validation(cfg)
         self.weights = WeightPublishing(
-            cfg, self.table.actors, self.versions, self.counters, self.metrics
+            cfg, self.table.actors, self.versions, self.counters, self.metrics, history
         )
         # actor -> {model: version} it must hold before its first lease (attached mid-run)
         self.attach_versions: dict[str, dict[str, int]] = {}
