@@ -11,15 +11,22 @@ drmas/learners/trainer.py holds one `AdapterSet` and asks it to
   graph, get no gradient and are left exactly as they were by AdamW;
 - clip each adapter's gradient on its own (one agent's large gradient does not shrink
   another's update);
+- count each adapter's own version U[x]: the learner steps (batches) that changed it,
+  i.e. whose batch held samples of an agent training x. Every rank runs every agent's
+  micro-batches, so every rank counts the same U; rank 0 sends it to the broker
+  (BatchRequest/PublishRequest.adapter_versions), which plans staleness and publishes
+  per adapter by it, and checkpoints keep it;
 - publish only the adapters (drmas/transports/weights/), under their PeftModel names,
-  sorted, and export the base plus one PEFT folder per adapter at the end of a run.
+  sorted, and of those only the ones the broker's plan names (the others every actor
+  holds already), and export the base plus one PEFT folder per adapter at the end of a
+  run.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -36,8 +43,9 @@ from drmas.models.lora import (
     add_adapters,
     is_adapter_param,
     save_adapter_folder,
+    write_merged_folders,
 )
-from drmas.transports.weights import TensorSpec
+from drmas.transports.weights import NamedTensors, TensorSpec
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -68,6 +76,9 @@ class AdapterSet:
         self.of_agent = {agent: cfg.adapter_of(agent) for agent in cfg.agents_of(model)}
         self.active = ""
         self._policy: PeftModel | None = None
+        self.versions: dict[str, int] = dict.fromkeys(self.names, 0)
+        """U: adapter -> the learner steps that changed it (the same on every rank)."""
+        self._changed: set[str] = set()  # adapters the batch being trained has changed
 
     @property
     def policy(self) -> PeftModel:
@@ -137,15 +148,95 @@ class AdapterSet:
             total += float(norm) ** 2
         return math.sqrt(total)
 
+    # ------------------------------------------------------- adapter versions
+    def note_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Right before an optimizer update that runs (a finite gradient norm): the
+        adapters it changes are those with gradients. AdamW skips a parameter without one
+        (also its weight decay), and an adapter has gradients exactly when some rank ran
+        micro-batches of one of its agents, i.e. the batch held samples of such an agent,
+        so this is the same on every rank."""
+        for name, group in zip(self.names, optimizer.param_groups):
+            if any(p.grad is not None for p in group["params"]):
+                self._changed.add(name)
+
+    def advance(self) -> dict[str, float]:
+        """After the last update of a batch: U[x] + 1 for every adapter the batch changed
+        (once per batch, whatever the number of PPO updates; a batch whose every update
+        was skipped changed nothing). Returns the step's `adapter_version/<adapter>`
+        metrics, at the version after the step."""
+        for name in self._changed:
+            self.versions[name] += 1
+        self._changed.clear()
+        return {f"adapter_version/{name}": float(u) for name, u in self.versions.items()}
+
+    def restore(self, saved: object, version: int) -> None:
+        """U from a checkpoint of model version `version`.
+
+        A checkpoint without U (`saved` None) was written before adapters had versions of
+        their own. It is resumed with U[x] = `version` for every adapter: the largest value
+        the definition allows (every step changed every adapter), so U stays monotone and
+        within the version, and what it overstates only errs on the safe side: the next
+        publishes carry an adapter that had not changed (never leave out one that had),
+        and a sample of a version before the resume looks staler than it was, never
+        fresher. The alternative, zeros, would claim that trained adapters never changed.
+        """
+        if saved is None:
+            log.warning(
+                "%s: the checkpoint of v%d has no adapter versions (written before they "
+                "existed); resuming with every adapter at version %d",
+                self.model, version, version,
+            )  # fmt: skip
+            self.versions = dict.fromkeys(self.names, version)
+            return
+        if (
+            not isinstance(saved, dict)
+            or sorted(saved) != sorted(self.names)
+            or not all(type(u) is int and 0 <= u <= version for u in saved.values())
+        ):
+            raise ValueError(
+                f"{self.model}: the checkpoint of v{version} has adapter versions {saved!r}; "
+                f"expected whole numbers 0..{version} for exactly the adapters {self.names} "
+                "(did the config's agents or adapters change since? resume with the config "
+                "the run was started with)"
+            )
+        self.versions = {name: int(saved[name]) for name in self.names}
+
     # -------------------------------------------------------------- weights out
     @staticmethod
-    def published(policy: torch.nn.Module) -> list[str]:
-        """Parameter names of what a publish carries, in its order: the adapters, sorted by
-        their wire names."""
-        return sorted(adapter_param_names(policy), key=model_io.hf_name)
+    def published(policy: torch.nn.Module, adapters: Collection[str] | None = None) -> list[str]:
+        """Parameter names of what a publish carries, in its order: the adapters (only
+        `adapters`, when given), sorted by their wire names."""
+        names = adapter_param_names(policy)
+        if adapters is not None:
+            names = [n for n in names if adapter_of_param(n) in adapters]
+        return sorted(names, key=model_io.hf_name)
 
-    def specs(self, policy: torch.nn.Module, dtype: torch.dtype) -> list[TensorSpec]:
-        return model_io.param_specs(policy, dtype, self.published(policy))
+    def specs(
+        self, policy: torch.nn.Module, dtype: torch.dtype, adapters: Collection[str] | None = None
+    ) -> list[TensorSpec]:
+        return model_io.param_specs(policy, dtype, self.published(policy, adapters))
+
+    def to_send(self, planned: Iterable[str]) -> list[str]:
+        """The adapters a WeightGroupPlan names, checked against this base's."""
+        planned = sorted(planned)
+        unknown = [name for name in planned if name not in self.names]
+        if unknown:
+            raise ValueError(
+                f"the weight plan of {self.model} names adapters {unknown}, which are not "
+                f"on this base (its adapters: {self.names}); broker and learner disagree "
+                "on the config: start both from the same one"
+            )
+        return planned
+
+    @staticmethod
+    def only(stream: NamedTensors, adapters: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors of `stream` (wire names) that belong to `adapters`, in its order.
+        Exhausting it exhausts `stream`, also past the last tensor it yields, so a stream
+        that fingerprints what passes through it (transports/digest.py's `hashing`) sees
+        every adapter."""
+        for name, tensor in stream:
+            if adapter_of_param(name) in adapters:
+                yield name, tensor
 
     def tensors(
         self, policy: torch.nn.Module, device: torch.device | str | None, dtype: torch.dtype | None
@@ -176,3 +267,5 @@ class AdapterSet:
                 save_adapter_folder(policy, adapter, tensors, folder, str(out.resolve()))
             log.info("saved %s with adapters %s to %s", self.model, self.names, out)
         dist.barrier()
+        if rank == 0 and self.cfg.models[self.model].lora.export_merged:
+            write_merged_folders(out, self.names)  # after the barrier: no rank waits for it

@@ -11,7 +11,10 @@ What is saved, at version v (= optimizer steps taken):
   parameters only: on a LoRA base the adapters and their AdamW state (the frozen base is
   loaded from the model's folder again), with full fine-tuning every parameter;
 - the RNG state of every rank (torch CPU, CUDA when used, python, numpy) in rng-rank<r>.pt;
-- the version and world size, in the manifest rank 0 writes last (drmas/checkpoints/store.py).
+- the version and world size, in the manifest rank 0 writes last (drmas/checkpoints/store.py);
+  on a LoRA base also each adapter's own version (`adapter_versions`, AdapterSet.versions),
+  which a resume restores (AdapterSet.restore says what a checkpoint without it resumes
+  with).
 
 There is no learning-rate scheduler (AdamW at a constant lr), so there is none to save.
 
@@ -71,7 +74,10 @@ def save(trainer: Trainer, model_dir: Path, version: int, keep: int) -> Path:
     dist.all_gather_object(digests, digest)  # also: every rank's files are written
     final = model_dir / store.step_name(version)
     if rank == 0:
-        final = store.commit(tmp, version, world, {"model": trainer.name, "optim_digests": digests})
+        extra: dict[str, Any] = {"model": trainer.name, "optim_digests": digests}
+        if trainer.lora:
+            extra["adapter_versions"] = dict(trainer.lora.versions)
+        final = store.commit(tmp, version, world, extra)
         for old in store.rotate(model_dir, keep):
             log.info("%s: deleted old checkpoint %s", trainer.name, old.name)
     dist.barrier()  # nobody goes on before the checkpoint is complete
@@ -83,8 +89,8 @@ def save(trainer: Trainer, model_dir: Path, version: int, keep: int) -> Path:
 
 
 def load(trainer: Trainer, checkpoint: store.Checkpoint) -> str:
-    """Collective: load model, optimizer and this rank's RNG state; returns the optimizer
-    digest after loading."""
+    """Collective: load model, optimizer, this rank's RNG state and, on a LoRA base, the
+    adapters' versions; returns the optimizer digest after loading."""
     if checkpoint.world_size != trainer.world_size:
         raise ValueError(
             f"checkpoint {checkpoint.path} was saved by {checkpoint.world_size} ranks, this "
@@ -102,6 +108,9 @@ def load(trainer: Trainer, checkpoint: store.Checkpoint) -> str:
     # weights_only: a checkpoint folder on shared storage must not be able to run code
     rng = torch.load(checkpoint.path / f"rng-rank{trainer.rank}.pt", weights_only=True)
     set_rng_state(rng, trainer.device)
+    if trainer.lora:
+        manifest = store.read_manifest(checkpoint.path) or {}
+        trainer.lora.restore(manifest.get("adapter_versions"), checkpoint.version)
     _, loaded = get_state_dict(trainer.model, trainer.optimizer, options=_TRAINED)
     digest = optimizer_digest(loaded)
     dist.barrier()

@@ -16,8 +16,12 @@ Message sequence per version v (rank 0 unless noted):
                                                    without members is closed by the broker
     [checkpoint of v + 1]                          every rank, when checkpoint.every divides it
 
-On a LoRA base (models.<m>.lora.rank > 0) a publish carries only the adapters, and the
-final save writes the base plus a PEFT folder per adapter (drmas/learners/adapters.py).
+On a LoRA base (models.<m>.lora.rank > 0) BatchRequest and PublishRequest also carry each
+adapter's own version at v (adapter_versions: the steps that changed it), a publish
+carries only the adapters the plan names (WeightGroupPlan.adapters, possibly none: the
+header then lists zero tensors) while PublishDone.digest fingerprints every adapter at the
+version, and the final save writes the base plus a PEFT folder per adapter
+(drmas/learners/adapters.py).
 
 With run.resume the group loads the checkpoint of the version the broker's Welcome names
 (drmas/learners/checkpoint.py); the actors still hold older weights, so the broker answers
@@ -54,7 +58,7 @@ from drmas.protocol.messages import (
 )
 from drmas.transports.channel import BrokerClient
 from drmas.transports.digest import Digest, hashing
-from drmas.transports.weights import WeightSender, WeightSyncError
+from drmas.transports.weights import TensorSpec, WeightSender, WeightSyncError
 
 if TYPE_CHECKING:
     from drmas.config import DrmasConfig
@@ -168,7 +172,12 @@ class Learner:
         heartbeats going; once rank 0 holds its shard the batch is cut, and each rank
         fetches its own."""
         request = BatchRequest(
-            self.client.client_id, self.model, self.rank, self.world_size, self.version
+            self.client.client_id,
+            self.model,
+            self.rank,
+            self.world_size,
+            self.version,
+            adapter_versions=self.adapter_versions(),
         )
         while True:
             self.beat.maybe_send()
@@ -249,7 +258,12 @@ class Learner:
         training goes on: those actors re-sync at the next version."""
         plan: WeightGroupPlan | None = None
         if self.sender is not None:
-            request = PublishRequest(self.model, self.version, self.sender.store_address)
+            request = PublishRequest(
+                self.model,
+                self.version,
+                self.sender.store_address,
+                adapter_versions=self.adapter_versions(),
+            )
             plan = self.client.request(request, WeightGroupPlan, self.cfg.weights.timeout_s)
         if plan is not None and (plan.model, plan.version) != (self.model, self.version):
             log.warning(
@@ -286,12 +300,13 @@ class Learner:
         verify = self.cfg.weights.verify_digest
         try:
             stream = hashing(gathered, digest) if verify else gathered
+            specs, stream = self._planned(plan, stream)
             stats = sender.publish(
                 plan.group_name,
                 members + 1,
                 stream,
                 plan.timeout_s,
-                specs=self.trainer.param_specs(),
+                specs=specs,
                 peers=plan.members,
             )
             fingerprint = digest.hexdigest() if verify else ""
@@ -306,6 +321,27 @@ class Learner:
         self.client.send(done)
         sender.release()  # tear the group down now, while the actors load and resume
         return done.seconds
+
+    def _planned(
+        self, plan: WeightGroupPlan, stream: Iterator[tuple[str, torch.Tensor]]
+    ) -> tuple[list[TensorSpec], Iterator[tuple[str, torch.Tensor]]]:
+        """(specs, tensors) of what the publish sends: everything of a whole model; on a
+        LoRA base the adapters plan.adapters names, drawn from `stream`, which still passes
+        every adapter through (the digest covers them all)."""
+        lora = self.trainer.lora
+        if lora is None:
+            return self.trainer.param_specs(), stream
+        try:
+            adapters = lora.to_send(plan.adapters)
+        except ValueError as exc:  # a PublishDone(ok=False) that says why
+            raise WeightSyncError(str(exc)) from None
+        return self.trainer.param_specs(adapters), lora.only(stream, adapters)
+
+    def adapter_versions(self) -> dict[str, int]:
+        """U at `version` for the broker (BatchRequest, PublishRequest): on a LoRA base each
+        adapter's own version, the same on every rank; {} for a whole model."""
+        lora = self.trainer.lora
+        return dict(lora.versions) if lora else {}
 
     # ----------------------------------------------------------- checkpoints
     def resume(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -198,6 +198,8 @@ class Trainer:
                 agent_updates += ran
         metrics = self._metrics(shard, sums, norms, agent_norms / agent_updates.clamp(min=1))
         metrics[f"skipped_steps/{self.name}"] = float(skipped)
+        if self.lora:
+            metrics |= self.lora.advance()  # adapter_version/<adapter>, after this batch
         if self.cfg.learner.per_agent_grad_norm:
             for agent, n in zip(self.agents, agent_updates.tolist()):
                 if not n:
@@ -225,6 +227,8 @@ class Trainer:
             agent_sq = agent_sq.cpu()
         grad_norm = self._clip()
         if math.isfinite(grad_norm):
+            if self.lora:
+                self.lora.note_update(self.optimizer)
             self.optimizer.step()
         else:
             log.warning("%s: non-finite gradient norm, optimizer step skipped", self.name)
@@ -445,20 +449,21 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ weights out
-    def param_specs(self) -> list[TensorSpec]:
+    def param_specs(self, adapters: Collection[str] | None = None) -> list[TensorSpec]:
         """(HF name, full shape, dtype) of what full_state_dict_iter(dtype=publish_dtype)
-        yields, in order; local."""
+        yields, in order (on a LoRA base, of `adapters` only when given); local."""
         if self.lora:
-            return self.lora.specs(self.model, self.publish_dtype)
+            return self.lora.specs(self.model, self.publish_dtype, adapters)
         return model_io.param_specs(self.model, self.publish_dtype)
 
     def full_state_dict_iter(
         self, device: torch.device | str | None = "cpu", dtype: torch.dtype | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) per parameter (model_io.full_tensors); on a LoRA base the
-        adapters' only, sorted by name: what a publish carries. A collective: every rank
-        must exhaust it. `device` None keeps the tensors where they were gathered;
-        `dtype` None keeps the master dtype (checkpoints), else casts (publishing)."""
+        """(HF name, full tensor) per parameter (model_io.full_tensors); on a LoRA base
+        every adapter's, sorted by name (a publish sends those of the broker's plan and
+        fingerprints them all: AdapterSet.only). A collective: every rank must exhaust it.
+        `device` None keeps the tensors where they were gathered; `dtype` None keeps the
+        master dtype (checkpoints), else casts (publishing)."""
         if self.lora:
             return self.lora.tensors(self.model, device, dtype)
         return model_io.full_tensors(self.model, device, dtype)
