@@ -105,8 +105,8 @@ def worker(sent: list[tuple[str, torch.Tensor]]) -> Any:
     """The worker's part of a publish (vllm_worker.drmas_receive_adapters)."""
 
     async def fetch(folders: dict[str, str]) -> dict[str, Any]:
-        count = lf.write_adapter_tensors(sent, {a: Path(f) for a, f in folders.items()})
-        return {"error": "", "tensors": count, "bytes": 0, "seconds": 0.0}
+        written = lf.write_adapter_tensors(sent, {a: Path(f) for a, f in folders.items()})
+        return {"error": "", "adapters": sorted(written), "tensors": sum(written.values())}
 
     return fetch
 
@@ -120,7 +120,7 @@ def test_adapter_server_switches_versions_and_removes_unused_ones(model_path: Pa
         first = dict(server.slots.current)
         assert sorted(first) == ADAPTERS and server.slots.base is not None
         assert len(llm.loaded) == 3
-        assert server.slots.acquire("") is server.slots.base  # the base runs on a zero adapter
+        assert server.slots.acquire("") is server.slots.base  # the base: an initial adapter
         await server.release(llm, server.slots.base)
         running = server.slots.acquire("solver")  # a request on the solver's version 0
         sent = published(peft_model(model_path))
@@ -166,6 +166,82 @@ def test_a_failed_publish_switches_nothing(model_path: Path) -> None:
             r.lora_name for r in before.values()
         )  # the new folders were removed again
         assert set(llm.loaded) == {r.lora_int_id for r in before.values()}
+        server.close()
+
+    asyncio.run(main())
+
+
+def only(sent: list[tuple[str, torch.Tensor]], adapter: str) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t) for n, t in sent if f".{adapter}." in n]
+
+
+def test_a_publish_of_one_adapter_switches_only_that_one(model_path: Path) -> None:
+    """The verifier alone at v1: a new LoRARequest and folder for it, the solver keeps its
+    version-0 LoRARequest (the same object, folder untouched); the digest read back covers
+    both adapters: the learner's initial solver and the verifier sent. Then a publish of
+    nothing (v2): nothing added or removed, the digest unchanged. Then the solver (v3)."""
+    server = vl.AdapterServer("policy", model_path, LORA, ADAPTERS, FakeRequest)
+    llm = FakeLLM()
+    initial = lf.initial_adapter_tensors(model_path, LORA, ADAPTERS)
+    sent = published(peft_model(model_path))
+
+    async def main() -> None:
+        await server.start(llm, base_slot=True)
+        first = dict(server.slots.current)
+        solver_file = Path(first["solver"].lora_path) / lf.TENSORS_FILE
+        stamp = solver_file.stat().st_mtime_ns
+        assert lf.read_back_digest({a: Path(r.lora_path) for a, r in first.items()}) == digest_of(
+            initial
+        )  # version 0 holds the learner's initial adapters
+        digest, reply = await server.receive(llm, 1, worker(only(sent, "verifier")), digest=True)
+        assert reply["adapters"] == ["verifier"]
+        assert digest == digest_of(only(initial, "solver") + only(sent, "verifier"))
+        assert server.slots.current["solver"] is first["solver"]
+        assert server.slots.current["verifier"].lora_name.startswith("verifier-v1-")
+        assert solver_file.stat().st_mtime_ns == stamp
+        assert llm.removed == [first["verifier"].lora_int_id]
+        assert len(llm.loaded) == 3  # solver v0, the base's, verifier v1
+        assert server.root is not None
+        folders = sorted(p.name for p in server.root.iterdir())
+        assert len(folders) == 3 and not any(f.startswith("solver-v1") for f in folders)
+
+        before = dict(server.slots.current)
+        empty, reply = await server.receive(llm, 2, worker([]), digest=True)
+        assert reply["adapters"] == [] and empty == digest
+        assert server.slots.current == before
+        assert sorted(p.name for p in server.root.iterdir()) == folders
+
+        digest, _ = await server.receive(llm, 3, worker(only(sent, "solver")), digest=True)
+        assert digest == digest_of(sent)
+        assert server.slots.current["verifier"] is before["verifier"]
+        assert server.slots.current["solver"].lora_name.startswith("solver-v3-")
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_failed_publish_of_one_adapter_switches_nothing(model_path: Path) -> None:
+    """An adapter received in part, or an adapter vLLM refuses: no switch, the new folders
+    removed, nothing left added in vLLM."""
+    server = vl.AdapterServer("policy", model_path, LORA, ADAPTERS, FakeRequest)
+    llm = FakeLLM()
+    sent = published(peft_model(model_path))
+
+    async def main() -> None:
+        await server.start(llm, base_slot=False)
+        before = dict(server.slots.current)
+        loaded = set(llm.loaded)
+        part = only(sent, "verifier")[:-1] + only(sent, "solver")
+        with pytest.raises(ValueError, match=r"'verifier' in part: 1 of its tensors missing"):
+            await server.receive(llm, 1, worker(part), digest=False)
+        llm.refuse = {"verifier"}
+        with pytest.raises(RuntimeError, match="did not load LoRA adapter"):
+            await server.receive(llm, 1, worker(sent), digest=False)
+        assert server.slots.current == before and set(llm.loaded) == loaded
+        assert server.root is not None
+        assert sorted(p.name for p in server.root.iterdir()) == sorted(
+            r.lora_name for r in before.values()
+        )
         server.close()
 
     asyncio.run(main())

@@ -33,10 +33,12 @@ while an update is under way. Around an update (EngineConfig.pause_mode):
 
 LoRA base (models.<m>.lora.rank > 0): vLLM serves the frozen base with every adapter of the
 model (vllm_lora.py); a request runs with its GenerateRequest.adapter's current
-LoRARequest. A publish carries the adapter tensors only: the worker receives them and
-writes one PEFT folder per adapter, the engine adds each as a new LoRARequest and switches
-to it; no weight of the base is touched and nothing restarts. Requests already running
-finish on the adapter version they started with (their result's version says which).
+LoRARequest. A publish carries the tensors of the adapters that changed since the version
+the actor holds (possibly none): the worker receives them and writes one PEFT folder per
+adapter received, the engine adds each as a new LoRARequest and switches to it, the other
+adapters keep theirs; no weight of the base is touched and nothing restarts. Requests
+already running finish on the adapter version they started with (their result's version
+says which).
 """
 
 from __future__ import annotations
@@ -193,7 +195,9 @@ class VLLMEngine:
         self.adapters: vllm_lora.AdapterServer | None = None
         """LoRA base: its adapters' folders and LoRARequests (None: a full model)."""
         if lora is not None and lora.rank > 0 and adapters:
-            self.adapters = vllm_lora.AdapterServer(model_name, self.model_path, lora, adapters)
+            self.adapters = vllm_lora.AdapterServer(
+                model_name, self.model_path, lora, adapters, dtype=cfg.dtype
+            )
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -368,9 +372,10 @@ class VLLMEngine:
         return reply
 
     async def _receive_adapters(self, join: JoinWeightGroup, digest: bool) -> str:
-        """LoRA base: the worker writes the publish into one new PEFT folder per adapter,
-        each becomes a new LoRARequest serving from now on (vllm_lora.AdapterServer). The
-        prefix cache stays: a new adapter name is a new cache key; the base is unchanged."""
+        """LoRA base: the worker writes the publish into one new PEFT folder per adapter it
+        carries, each becomes a new LoRARequest serving from now on, the others serve on
+        (vllm_lora.AdapterServer). The prefix cache stays: a new adapter name is a new cache
+        key; the base is unchanged. The digest covers every adapter, received or kept."""
         assert self.adapters is not None
 
         async def fetch(folders: dict[str, str]) -> dict[str, Any]:
@@ -380,7 +385,7 @@ class VLLMEngine:
         self.version, self._digest = join.version, found
         log.info(
             "%s: loaded adapters %s of version %d (%d tensors, %.1f MB) in %.2fs; digest %s",
-            self.model_name, self.adapters.adapters, join.version, reply["tensors"],
+            self.model_name, reply["adapters"], join.version, reply["tensors"],
             reply["bytes"] / 1e6, reply["seconds"], "read back" if found else "not computed",
         )  # fmt: skip
         return found

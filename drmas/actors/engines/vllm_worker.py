@@ -10,10 +10,11 @@ are not touched) and loads the buckets through vLLM's in-place reload path
 (qkv_proj, gate_up_proj), vocabulary padding and tied embeddings. On CPU a second plain
 `model.load_weights` can fail after vLLM's post-load processing; the reload path does not.
 
-On a LoRA base the publish carries adapter tensors only: `drmas_receive_adapters` receives
-them the same way (the worker's device, so the learner's NCCL group works on GPU) and
-writes each adapter's adapter_model.safetensors into the folder the engine named
-(vllm_lora.py); the engine then loads those folders as new LoRA adapters.
+On a LoRA base the publish carries adapter tensors only, of the adapters that changed
+(possibly none): `drmas_receive_adapters` receives them the same way (the worker's device,
+so the learner's NCCL group works on GPU) and writes each received adapter's
+adapter_model.safetensors into the folder the engine named for it (vllm_lora.py); the
+engine then loads those folders as new LoRA adapters.
 
 Nothing here is imported by the actor process itself; vLLM imports it by name.
 """
@@ -90,12 +91,12 @@ class DrmasWorkerExtension:
     def drmas_receive_adapters(
         self, join_payload: bytes, folders: dict[str, str]
     ) -> dict[str, Any]:
-        """LoRA base: receive one publish of adapter tensors and write each adapter's
-        adapter_model.safetensors into `folders[adapter]` (its adapter_config.json is
-        there already). Never raises (see drmas_receive_weights). Reply: error, tensors,
-        bytes, seconds."""
+        """LoRA base: receive one publish of adapter tensors and write each received
+        adapter's adapter_model.safetensors into `folders[adapter]` (created; the engine
+        adds adapter_config.json). Never raises (see drmas_receive_weights). Reply: error,
+        adapters (those received, sorted), tensors, bytes, seconds."""
         start = time.monotonic()
-        reply: dict[str, Any] = {"error": "", "tensors": 0, "bytes": 0}
+        reply: dict[str, Any] = {"error": "", "adapters": [], "tensors": 0, "bytes": 0}
         try:
             join = msgspec.msgpack.decode(join_payload, type=JoinWeightGroup)
             receiver = self._drmas_weight_receiver()
@@ -103,7 +104,8 @@ class DrmasWorkerExtension:
             named = [(name, t.to("cpu", copy=True)) for name, t in receiver.receive(join)]
             receiver.release()
             paths = {adapter: Path(folder) for adapter, folder in folders.items()}
-            reply["tensors"] = write_adapter_tensors(named, paths)
+            written = write_adapter_tensors(named, paths)
+            reply.update(adapters=sorted(written), tensors=sum(written.values()))
             reply["bytes"] = sum(t.numel() * t.element_size() for _, t in named)
         except Exception as exc:
             log.exception("drmas adapter receive failed")
