@@ -1,4 +1,4 @@
-"""Shared by the engines' LoRA unit tests (test_lora_folders, test_vllm_lora,
+"""Shared by the engines' LoRA unit tests (test_lora_folders, test_vllm_lora, test_sglang_lora,
 test_sglang_contract, test_sglang_engine): a Qwen2 config small enough to build in
 milliseconds, and the learner's side of a publish (peft adapters with lora_B non-zero,
 sent under their wire names)."""

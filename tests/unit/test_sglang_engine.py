@@ -517,7 +517,9 @@ def test_managed_server_never_ready_times_out_and_is_killed(model_dir: Path) -> 
 
 
 # ------------------------------------------------------------------ LoRA
+from drmas.actors.engines.lora_folders import initial_adapter_tensors  # noqa: E402
 from drmas.actors.engines.sglang_lora import SGLangAdapters  # noqa: E402
+from drmas.models.lora import adapter_of_param  # noqa: E402
 from tests.unit.lora_helpers import (  # noqa: E402
     ADAPTERS,
     LORA,
@@ -538,10 +540,18 @@ def lora_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def publish_adapters(
-    engine: sg.SGLangEngine, sender: WeightSender, model: Path, version: int
+    engine: sg.SGLangEngine,
+    sender: WeightSender,
+    model: Path,
+    version: int,
+    adapters: tuple[str, ...] = tuple(ADAPTERS),
 ) -> list[tuple[str, torch.Tensor]]:
-    """A LoRA publish as the actor's sync_weights runs it: adapter tensors only."""
-    named = published(peft_model(model, seed=version))
+    """A LoRA publish as the actor's sync_weights runs it: the tensors of `adapters` only."""
+    named = [
+        (n, t)
+        for n, t in published(peft_model(model, seed=version))
+        if adapter_of_param(n) in adapters
+    ]
     name = f"m-v{version}"
     join = JoinWeightGroup("m", version, name, sender.store_address, 1, 2, 20.0)
     learner = asyncio.create_task(asyncio.to_thread(sender.publish, name, 2, named, 20.0))
@@ -608,6 +618,52 @@ def test_lora_adapters_load_per_version_and_old_ones_unload_once_unused(
 
     asyncio.run(asyncio.wait_for(main(), 60))
     assert engine.adapters is not None and engine.adapters.root is None
+
+
+def test_lora_publish_of_one_adapter_leaves_the_other_serving(lora_model_dir: Path) -> None:
+    """The verifier alone (v1, several buckets): loaded as a new version, the solver still
+    on the base, the digest over the solver's initial tensors and the verifier sent; then
+    the solver alone (v2): the verifier keeps its v1 (the same version object), the digest
+    covers both as sent; then a publish of nothing (v3): the version only."""
+    engine = sg.SGLangEngine(
+        "m", lora_model_dir, EngineConfig(), options(), lora=LORA, adapters=ADAPTERS
+    )
+    sender = WeightSender(WeightSyncConfig(bucket_mb=0.001))
+    initial = initial_adapter_tensors(lora_model_dir, LORA, ADAPTERS)
+
+    def on(adapter: str) -> GenerateRequest:
+        return GenerateRequest([1, 2, 3], 1.0, 1.0, 4, adapter=adapter)
+
+    async def main() -> None:
+        await engine.start()
+        assert engine.adapters is not None
+        try:
+            v1 = await publish_adapters(engine, sender, lora_model_dir, 1, ("verifier",))
+            assert engine.version == 1 and fake_state(engine)["adapters"] == ["verifier-v1-1"]
+            solver_v0 = [(n, t) for n, t in initial if ".solver." in n]
+            assert engine.weights_digest() == digest_of(solver_v0 + v1)
+            assert (await engine.generate(on("solver"))).logprobs == [-0.1] * 4  # the base
+            verifier = engine.adapters.slots.current["verifier"]
+            v2 = await publish_adapters(engine, sender, lora_model_dir, 2, ("solver",))
+            assert fake_state(engine)["adapters"] == ["solver-v2-2", "verifier-v1-1"]
+            assert engine.adapters.slots.current["verifier"] is verifier
+            assert engine.weights_digest() == digest_of(v1 + v2)
+            for adapter, sent in (("solver", v2), ("verifier", v1)):
+                result = await engine.generate(on(adapter))
+                assert result.version == 2
+                assert result.logprobs == pytest.approx([adapter_logprob(sent, adapter)] * 4)
+            routes = len(fake_state(engine)["routes"])
+            await engine.pause()
+            engine.load_weights([], 3)  # a publish that carried no tensors
+            await engine.resume()
+            assert engine.version == 3 and engine.weights_digest() == digest_of(v1 + v2)
+            state = fake_state(engine)
+            assert state["adapters"] == ["solver-v2-2", "verifier-v1-1"]
+            assert [r for r in state["routes"][routes:] if "lora" in r] == []
+        finally:
+            await engine.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_lora_publish_that_fails_leaves_the_previous_adapters(lora_model_dir: Path) -> None:

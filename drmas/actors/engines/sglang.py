@@ -27,9 +27,11 @@ session; older servers answer 404 and are used without), then `/continue_generat
 
 LoRA base (models.<m>.lora.rank > 0): the server runs with LoRA enabled for the model's
 adapters (sglang_server.lora_flags) and each /generate names its adapter's current version
-in `lora_path`. A publish carries the adapter tensors only; they do not go over the
-bridge: once every one arrived they are written as PEFT folders and loaded with
-/load_lora_adapter as new versions, the old ones unloaded when unused (sglang_lora.py).
+in `lora_path`. A publish carries the tensors of the adapters that changed since the
+version the actor holds (possibly none); they do not go over the bridge: once the publish
+is whole each adapter it carried is written as a PEFT folder and loaded with
+/load_lora_adapter as a new version, the old one unloaded when unused, the other adapters
+untouched (sglang_lora.py).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class SGLangEngine:
         """LoRA base: its adapters' versions on the server (None: a full model)."""
         if lora is not None and lora.rank > 0 and adapters:
             self.adapters = SGLangAdapters(
-                model_name, Path(model_path), lora, adapters, self._control_call
+                model_name, Path(model_path), lora, adapters, self._control_call, cfg.dtype
             )
 
     # ---------------------------------------------------------------- lifecycle
@@ -229,7 +231,9 @@ class SGLangEngine:
         """Forward one received bucket to the server (called from the actor's receive
         thread, the engine paused). Failing tears the bridge down; the next publish
         builds a new one. On a LoRA base the buckets are kept until the publish is whole,
-        then loaded as new adapter versions (sglang_lora.py); the bridge is not used."""
+        then the adapters it carried are loaded as new versions (sglang_lora.py); a call
+        without tensors ends a publish (one that carried none sets the version only); the
+        bridge is not used."""
         from drmas.transports.digest import Digest
         from drmas.transports.weights import spec_of
 
@@ -276,8 +280,9 @@ class SGLangEngine:
 
     def weights_digest(self) -> str:
         """Fingerprint of what was forwarded and acknowledged for the current version (the
-        server's own weights cannot be read back in full over HTTP); on a LoRA base, of the
-        adapter folders the server loaded, read back."""
+        server's own weights cannot be read back in full over HTTP); on a LoRA base, of every
+        adapter: the folders the server loaded, read back, and the initial tensors of those
+        no publish carried yet ("" before the first publish)."""
         if self.adapters is not None:
             return self.adapters.digest
         return self._digest.hexdigest() if self._digest is not None else ""
