@@ -429,6 +429,45 @@ def test_lora_weights_digest_load_and_restore_cover_the_adapters_only(
     with_engine(model_path, bf16, adapters=ADAPTERS, dtype="bfloat16")
 
 
+def test_lora_publish_of_some_adapters_keeps_the_others(model_path: Path, trained: Any) -> None:
+    """x alone (v1): x as sent, y exactly as it started (the same generation), the digest
+    over both; y alone (v2): the digest over all that was sent; a subset naming a tensor
+    that is no adapter parameter fails half-way and the backup restores v2; a publish
+    without tensors (v3) sets the version only."""
+    _, published = trained
+    fresh = lora_reference(model_path)
+    initial = {n: p.detach().clone() for n, p in fresh.named_parameters() if "lora_" in n}
+    x = sorted((n, t) for n, t in published.items() if ".x." in n)
+    y = sorted((n, t) for n, t in published.items() if ".y." in n)
+
+    def on(adapter: str) -> GenerateRequest:
+        return GenerateRequest([5, 6, 7, 8], 0.0, 1.0, 8, adapter=adapter)
+
+    async def body(engine: HFEngine) -> None:
+        y0 = await engine.generate(on("y"))
+        engine.load_weights(x, version=1)
+        assert engine.version == 1
+        assert engine.weights_digest() == digest_of({**initial, **dict(x)}.items())
+        y1 = await engine.generate(on("y"))
+        assert (y1.token_ids, y1.logprobs, y1.version) == (y0.token_ids, y0.logprobs, 1)
+        x1 = await engine.generate(on("x"))
+        engine.load_weights(y, version=2)
+        assert engine.weights_digest() == digest_of(published.items())
+        x2 = await engine.generate(on("x"))
+        assert (x2.token_ids, x2.logprobs) == (x1.token_ids, x1.logprobs)
+        backup = engine.backup_weights()
+        stray = x[0][0].replace(".x.", ".z.")
+        with pytest.raises(KeyError, match=r"unknown adapter parameter .*\.z\."):
+            engine.load_weights([(x[0][0], torch.zeros_like(x[0][1])), (stray, x[0][1])], 3)
+        assert engine.version == 2 and engine.weights_digest() != digest_of(published.items())
+        engine.restore_weights(backup)
+        assert engine.version == 2 and engine.weights_digest() == digest_of(published.items())
+        engine.load_weights([], version=3)
+        assert engine.version == 3 and engine.weights_digest() == digest_of(published.items())
+
+    with_engine(model_path, body, adapters=ADAPTERS)
+
+
 def test_a_model_without_adapters_refuses_an_adapter_request(model_path: Path) -> None:
     async def body(engine: HFEngine) -> None:
         with pytest.raises(ValueError, match=r"lora\.rank is 0"):

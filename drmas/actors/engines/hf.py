@@ -23,9 +23,10 @@ names every row's adapter (peft's mixed-batch `adapter_names`; "__base__" for a 
 with adapter ""), so each row computes the base plus its own adapter only. Measured on
 the tiny model on a CPU, such a decode step costs 2-3 times a plain one (the hooks peft
 registers per call, one gather per adapter and layer); grouping rows by adapter instead
-would split the KV cache and cost a forward per adapter. A publish carries only the
-adapters' tensors, which `load_weights` copies by their PeftModel names and
-`weights_digest` fingerprints in the learner's order.
+would split the KV cache and cost a forward per adapter. A publish carries only adapter
+tensors, of the adapters that changed since the version the actor holds (possibly none):
+`load_weights` copies them by their PeftModel names, every other adapter stays as it is,
+and `weights_digest` fingerprints every adapter, as the learner does for the version.
 
 Model calls run on the event-loop thread: a decode step of the tiny model takes a few
 milliseconds; larger models belong on vllm/sglang.
@@ -216,8 +217,11 @@ class HFEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy by Hugging Face name (both names of tied weights are accepted); on a LoRA
-        base by PeftModel name, adapter tensors only (the base never changes). Stops at
-        the first bad tensor; tensors already copied stay, `version` is then left unchanged."""
+        base by PeftModel name, adapter tensors only (the base never changes), of any
+        subset of the adapters: those not received keep their tensors. Called once per
+        bucket; a call without tensors only sets `version` (a publish that carried none).
+        Stops at the first bad tensor; tensors already copied stay (backup_weights /
+        restore_weights undo them), `version` is then left unchanged."""
         if self.model is None:
             raise RuntimeError(f"engine {self.model_name!r}: call start() before load_weights()")
         targets = self._targets()
@@ -267,7 +271,8 @@ class HFEngine:
 
     def weights_digest(self) -> str:
         """Fingerprint of the weights generation uses (drmas.transports.digest): on a LoRA
-        base, of the adapters only, as the learner fingerprints what it publishes."""
+        base, of every adapter (those the last publish carried and those it did not) and
+        nothing of the base, as the learner fingerprints a version."""
         if self.model is None:
             return ""
         if self.adapters:
