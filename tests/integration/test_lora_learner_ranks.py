@@ -5,7 +5,8 @@ process publishes only the adapters and exports the base plus one PEFT folder ea
 
 Real processes (torch.multiprocessing spawn, gloo), the tiny Qwen2 and the lopsided
 solver/verifier shards of test_fsdp_learner.py, with models.policy.lora.rank=4: two
-adapters, "solver" and "verifier".
+adapters, "solver" and "verifier". Both ranks count the same adapter versions, and the
+learner process sends only the adapters the broker's plan names, with the digest of both.
 """
 
 from __future__ import annotations
@@ -14,11 +15,19 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from drmas.protocol.messages import BatchShard, PublishDone
+from drmas.protocol.messages import (
+    BatchRequest,
+    BatchShard,
+    PublishDone,
+    PublishRequest,
+    StepReport,
+    WeightGroupPlan,
+)
 from drmas.transports.ports import free_port
 from tests.integration.test_fsdp_learner import (
     MODEL,
@@ -181,12 +190,22 @@ def test_two_rank_export_is_the_base_and_the_trained_adapters(worlds: dict) -> N
         assert mine and all(torch.equal(params[n], t) for n, t in mine.items()), adapter
 
 
-def test_learner_process_publishes_only_the_adapters(tmp_path: Path) -> None:
+class PlanningBroker(FakeBroker):
+    """FakeBroker whose plans name the adapters to send: the verifier's only."""
+
+    def answer(self, msg: object):  # -> reply or None
+        reply = super().answer(msg)
+        if isinstance(reply, WeightGroupPlan):
+            return msgspec.structs.replace(reply, adapters=["verifier"])
+        return reply
+
+
+def test_learner_process_publishes_only_the_planned_adapters(tmp_path: Path) -> None:
     from drmas.transports.digest import digest_of
     from drmas.transports.weights import WeightReceiver
 
     cfg = lora_config(tiny_qwen2(tmp_path / "model"))
-    broker = FakeBroker(shards(make_samples(), 2), steps=2)
+    broker = PlanningBroker(shards(make_samples(), 2), steps=2)
     broker.start()
     cfg.broker.address = broker.address
     cfg.run.dir = str(tmp_path / "run")
@@ -210,24 +229,37 @@ def test_learner_process_publishes_only_the_adapters(tmp_path: Path) -> None:
         broker.stop.set()
         broker.join(10)
 
+    # every batch holds both agents: each adapter's version is the model's, on both ranks
+    for msg in broker.received:
+        if isinstance(msg, (BatchRequest, PublishRequest)):
+            assert msg.adapter_versions == {"solver": msg.version, "verifier": msg.version}
+    asked = {(m.rank, m.version) for m in broker.received if isinstance(m, BatchRequest)}
+    assert asked == {(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)}  # at 2 rank 0 hears "done"
+    reports = [m for m in broker.received if isinstance(m, StepReport)]
+    assert [(r.version, r.metrics["adapter_version/solver"]) for r in reports] == [
+        (1, 1.0),
+        (2, 2.0),
+    ]
+
     done = [m for m in broker.received if isinstance(m, PublishDone)]
     assert [(d.version, d.ok) for d in done] == [(1, False), (2, True)]
     names = [n for n, _ in received[2]]
-    assert names == sorted(names) and len(names) == 2 * 2 * 4 * 2  # layers, A/B, q k v o, 2
-    assert all(".lora_" in n for n in names)
-    assert done[1].digest == digest_of(received[2])
+    assert names == sorted(names) and len(names) == 2 * 2 * 4  # layers, A/B, q k v o
+    assert all(".lora_" in n and ".verifier." in n for n in names)
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run" / "models" / MODEL
-    for adapter in ("solver", "verifier"):
-        loaded = PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(out),
-            str(out / "adapters" / adapter),
-            adapter_name=adapter,
-        )
-        params = dict(loaded.named_parameters())
-        for name, tensor in received[2]:
-            if f".{adapter}." in name:
-                assert torch.equal(params[name], tensor), name  # the actor holds the export
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(out),
+        str(out / "adapters" / "solver"),
+        adapter_name="solver",
+    )
+    loaded.load_adapter(str(out / "adapters" / "verifier"), adapter_name="verifier")
+    exported = {n: p.detach() for n, p in loaded.named_parameters() if ".lora_" in n}
+    assert len(exported) == 2 * len(names)
+    for name, tensor in received[2]:
+        assert torch.equal(exported[name], tensor), name  # the actor holds the export
+    # the digest covers the adapter that was not sent too (fp32: the publish dtype)
+    assert done[1].digest == digest_of(exported.items()) != digest_of(received[2])
