@@ -287,7 +287,9 @@ class Actor:
                         e.load_weights(tensors, j.version)
                         _fault_kill_mid_sync(j)
 
-                    await asyncio.to_thread(self.receiver.receive_into, join, load)
+                    got = await asyncio.to_thread(self.receiver.receive_into, join, load)
+                    if got.tensors == 0:  # a LoRA publish of no adapter: the version alone
+                        engine.load_weights([], join.version)
                     if want_digest:
                         digest = engine.weights_digest()
             except Exception as exc:  # a failed sync must not kill the actor: it re-syncs later

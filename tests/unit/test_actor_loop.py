@@ -140,6 +140,37 @@ def test_a_load_that_fails_half_way_never_leaves_half_loaded_weights_serving(
     asyncio.run(asyncio.wait_for(main(), timeout=30))
 
 
+def test_a_publish_of_no_tensor_moves_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a LoRA base a publish carries only the adapters that changed, possibly none: the
+    receiver then calls no load at all, yet the engine must report the new version, or the
+    broker would see the actor behind and re-publish (nothing) forever."""
+    import time
+
+    from drmas.protocol.messages import JoinWeightGroup, WeightsLoaded
+    from drmas.transports.weights import ReceiveStats
+
+    cfg = load_config(["actor.engine.name=sim", "weights.verify_digest=false"])
+    actor = Actor(cfg, "a1")
+    sent: list[object] = []
+    monkeypatch.setattr(actor.client, "send", sent.append)
+    monkeypatch.setattr(
+        actor.receiver, "receive_into", lambda join, load: ReceiveStats(0.0, 0, 0, 0)
+    )
+
+    async def main() -> None:
+        engine = make_engine("solver", "", cfg.actor.engine_of("solver"))
+        await engine.start()
+        actor.engines = {"solver": engine}
+        actor.joins.append((JoinWeightGroup("solver", 3, "g", "h:1", 1, 2, 5.0), time.monotonic()))
+        await actor.sync_weights()
+        loaded = [m for m in sent if isinstance(m, WeightsLoaded)]
+        assert len(loaded) == 1 and loaded[0].ok and loaded[0].version == 3
+        assert engine.version == 3 and actor.versions() == {"solver": 3}
+        await engine.close()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
 def slow_broker(sock: zmq.Socket, seen: list[tuple[float, str]], stall_s: float) -> None:
     """Welcome; leave the first LeaseRequest unanswered for `stall_s` (a broker stalled in
     a long operation), answer the retried one with no leases, then Shutdown. Records
