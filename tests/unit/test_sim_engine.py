@@ -265,3 +265,29 @@ def test_bad_settings_are_refused() -> None:
         SimEngine("policy", "", EngineConfig(name="sim", sim_stop_prob=1.5))
     with pytest.raises(ValueError, match="sim_token_latency_s"):
         SimEngine("policy", "", EngineConfig(name="sim", sim_token_latency_s=-1))
+
+
+def test_lora_base_digest_covers_every_adapter_across_subset_publishes(tmp_path: Any) -> None:
+    """On a LoRA base a publish carries the adapters that changed; the learner fingerprints
+    all of them. sim has no model, yet its digest must be over every adapter: the initial
+    ones (as the learner builds them) with what arrived in their place."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from drmas.config.actor import EngineConfig
+    from drmas.models.lora import add_adapters
+    from drmas.transports.digest import digest_of
+    from tests.unit.lora_helpers import ADAPTERS, LORA, published, tiny_model_folder
+
+    folder = tiny_model_folder(tmp_path / "qwen2")
+    engine = make_engine("base", str(folder), EngineConfig(name="sim"), LORA, ADAPTERS)
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    initial = published(add_adapters(base, LORA, ADAPTERS))  # the learner's, before any step
+    first, second = ADAPTERS[0], ADAPTERS[1]
+    moved = [(n, t + 1.0) if f".{first}." in n else (n, t) for n, t in initial]
+    engine.load_weights([(n, t) for n, t in moved if f".{first}." in n], 1)
+    assert engine.version == 1 and engine.weights_digest() == digest_of(moved)
+    engine.load_weights([], 2)  # a publish of no adapter: the version alone
+    assert engine.version == 2 and engine.weights_digest() == digest_of(moved)
+    again = [(n, t * 2.0) if f".{second}." in n else (n, t) for n, t in moved]
+    engine.load_weights([(n, t) for n, t in again if f".{second}." in n], 3)
+    assert engine.weights_digest() == digest_of(again) != digest_of(moved)

@@ -58,7 +58,8 @@ def _hf(model_name: str, path: str, cfg: EngineConfig, adapters: dict[str, Any])
 def _sim(model_name: str, path: str, cfg: EngineConfig, adapters: dict[str, Any]) -> Engine:
     from drmas.actors.engines.sim import SimEngine
 
-    return SimEngine(model_name, path, cfg)  # no model: a request's adapter changes nothing
+    # no model: a request's adapter changes nothing, the adapters shape only its digest
+    return SimEngine(model_name, path, cfg, **adapters)
 
 
 def _vllm(model_name: str, path: str, cfg: EngineConfig, adapters: dict[str, Any]) -> Engine:

@@ -26,6 +26,10 @@ check batching without reading a clock.
 Weights: nothing is loaded from disk (only the tokenizer, which workflows need). A broadcast
 is consumed tensor by tensor into a digest (drmas.transports.digest) over exactly what
 arrived, so the broker's learner-vs-actor fingerprint check passes, and `version` is set.
+On a LoRA base a publish carries only the adapters that changed while the learner
+fingerprints all of them, so there the digest is kept by name across versions, starting
+from every adapter's initial tensors (lora_folders.initial_adapter_tensors, built without
+the base): what arrives replaces its names, the rest stays as last received.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import logging
 import math
 import random
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +51,7 @@ from drmas.config.actor import EngineConfig
 if TYPE_CHECKING:
     import torch
 
+    from drmas.config.model import LoraConfig
     from drmas.transports.digest import Digest
 
 log = logging.getLogger("drmas.engine.sim")
@@ -55,7 +60,16 @@ log = logging.getLogger("drmas.engine.sim")
 class SimEngine:
     """Engine protocol (drmas/actors/engines/base.py) with a timing model instead of a model."""
 
-    def __init__(self, model_name: str, model_path: str | Path, cfg: EngineConfig) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        model_path: str | Path,
+        cfg: EngineConfig,
+        lora: LoraConfig | None = None,
+        adapters: Sequence[str] = (),
+    ) -> None:
+        """`lora`, `adapters`: a LoRA base's settings and adapter names (None, () for a whole
+        model); they only shape the weights digest, since sim runs no model."""
         if cfg.max_batch < 1:
             raise ValueError(f"actor.engine.max_batch must be >= 1, got {cfg.max_batch}")
         if cfg.sim_token_latency_s < 0 or cfg.sim_prompt_latency_s_per_token < 0:
@@ -71,6 +85,8 @@ class SimEngine:
             raise ValueError(f"actor.engine.sim_vocab_size must be >= 0, got {cfg.sim_vocab_size}")
         self.model_name = model_name
         self.model_path = Path(model_path) if str(model_path) else None
+        self.lora = lora
+        self.adapters = list(adapters)
         self.cfg = cfg
         self.version = 0
         self.tokenizer: Any = None
@@ -158,10 +174,14 @@ class SimEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Consume the tensors into a digest of what arrived. The actor calls this once per
         received bucket of a publish: calls with the same version add to one digest, a new
-        version starts a fresh one."""
+        version starts a fresh one (on a LoRA base: updates the digest of every adapter by
+        name, see the module docstring)."""
         from drmas.transports.digest import Digest
 
-        if self._digest is None or version != self._digest_version:
+        if self.adapters:
+            if self._digest is None:
+                self._digest = self._initial_adapters_digest()
+        elif self._digest is None or version != self._digest_version:
             self._digest, self._digest_version = Digest(), version
         for name, tensor in named_tensors:
             self._digest.add(name, tensor)
@@ -178,8 +198,31 @@ class SimEngine:
         self.version, self._digest, self._digest_version, self.weight_loads = backup
 
     def weights_digest(self) -> str:
-        """Fingerprint of every tensor received for the current version ("" before any)."""
+        """Fingerprint of every tensor received for the current version ("" before any); on
+        a LoRA base of every adapter, received or initial."""
         return self._digest.hexdigest() if self._digest is not None else ""
+
+    def _initial_adapters_digest(self) -> Digest:
+        import torch
+
+        from drmas.actors.engines.lora_folders import initial_adapter_tensors
+        from drmas.transports.digest import Digest
+
+        digest = Digest()
+        if self.model_path is None or self.lora is None:
+            log.warning(
+                "%s: sim engine without a model folder on a LoRA base: its digest covers "
+                "the adapters received so far only, so it matches the learner's once every "
+                "adapter has been published",
+                self.model_name,
+            )
+            return digest
+        dtype = getattr(torch, self.cfg.dtype)
+        for name, tensor in initial_adapter_tensors(
+            self.model_path, self.lora, self.adapters, dtype
+        ):
+            digest.add(name, tensor)
+        return digest
 
     # ------------------------------------------------- one step (scheduler.Stepper)
 
