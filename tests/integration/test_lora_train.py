@@ -129,3 +129,61 @@ def check_exported_adapters(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
         key = peft_saved_name(name, agent)
         assert torch.equal(params[name].detach(), saved[agent][key].to(params[name].dtype)), name
     return saved
+
+
+def test_an_adapter_no_step_trains_is_never_published_yet_held_bit_for_bit(
+    tmp_path: Path, model_cache: Path
+) -> None:
+    """The critic of QuietCritic speaks only on subtractions; trained on additions only it
+    has no step in any batch. Its adapter version stays 0, so no publish carries it (each
+    carries the three others: 3/4 of the adapter bytes), and yet every actor's digest over
+    all four adapters matches the learner's: the engine's critic is still the seeded
+    initial adapter the learner holds."""
+    rows = [{"question": f"{a}+{b}", "answer": str(a + b)} for a in range(8) for b in range(8)]
+    data = tmp_path / "additions.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "quiet.yaml"
+    write_config(config)
+    config.write_text(
+        config.read_text().replace("FourAgents", "QuietCritic")
+        + f"task: {{name: jsonl, train_path: '{data}'}}\n"
+    )
+    run_dir = tmp_path / "run"
+    out = drmas(
+        "train", "--config", str(config),
+        f"train.steps={STEPS}", "group_size=4", f"batch_groups={BATCH_GROUPS}",
+        "val.every=0", "val.at_start=false",
+        "sampling.max_new_tokens=12", "algorithm.loss.max_response_len=12",
+        "actor.engine.name=hf",
+        "broker.heartbeat_timeout_s=10", "weights.timeout_s=10",
+        f"run.dir={run_dir}", f"run.cache_dir={model_cache}",
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    train = [x for x in read_metrics(run_dir) if "val/tasks" not in x]
+    assert [x["step"] for x in train] == list(range(1, STEPS + 1))
+    for line in train:
+        assert line["adapter_version/critic"] == 0
+        for agent in ("proposer", "checker", "finisher"):  # a step in every batch
+            assert line[f"adapter_version/{agent}"] == line["step"]
+        assert line["staleness/max"] <= 1  # algorithm.max_staleness, in the agent's adapter
+
+    summary = read_summary(run_dir)
+    c = summary["counters"]
+    assert c["weight_digest_match"] == c["weight_loads"] > 0
+    assert c.get("weight_digest_mismatch", 0) == 0
+
+    exported = check_exported_adapters(run_dir / "models" / "base")
+    critic_b = [t for k, t in exported["critic"].items() if "lora_B" in k]
+    assert all(not t.any() for t in critic_b)  # never trained: B is still zero
+
+    # the publishes that reached the actor (all but the last step's, which nobody needs
+    # with validation off) carried the three trained adapters, never the critic
+    one_adapter = sum(t.numel() for t in exported["proposer"].values())
+    reached = [x for x in train if x["publish_adapters/base"] > 0]
+    assert [x["step"] for x in reached] == list(range(1, STEPS))
+    for line in reached:
+        assert line["publish_adapters/base"] == 3
+        per_element = line["weight_sync_bytes/base"] / (3 * one_adapter)
+        assert per_element in (2, 4), per_element  # bf16 or fp32 on the wire
