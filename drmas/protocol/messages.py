@@ -24,7 +24,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 Role = Literal["actor", "learner", "client"]
 
@@ -145,6 +145,13 @@ class Step(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     version: int  # weight version of `model` when the step started generating
     valid: bool  # the agent's action parsed (else the invalid-action penalty applies)
     finish_reason: str  # "stop" | "length"
+    # this step's own reward (a role reward); None = the episode's team reward, as before.
+    # Finite, |reward| <= MAX_ABS_REWARD.
+    reward: float | None = None
+
+
+MAX_ABS_REWARD = 1e6
+"""The largest |reward| an episode or a step may carry (the gate refuses more)."""
 
 
 class Episode(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -165,6 +172,7 @@ class StepHeader(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     version: int
     valid: bool
     finish_reason: str
+    reward: float | None = None  # Step.reward
 
 
 class EpisodeHeader(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -206,6 +214,7 @@ class GroupResult(_Msg, tag="group_result", gc=False):
                         h.version,
                         h.valid,
                         h.finish_reason,
+                        h.reward,
                     )
                 )
                 p, r = p_end, r_end
@@ -243,6 +252,7 @@ def pack_group(
                         s.version,
                         s.valid,
                         s.finish_reason,
+                        s.reward,
                     )
                     for s in e.steps
                 ],

@@ -16,6 +16,7 @@ import numpy as np
 from drmas.protocol.arrays import unpack_ids
 from drmas.protocol.codec import ProtocolError
 from drmas.protocol.messages import (
+    MAX_ABS_REWARD,
     Episode,
     GroupResult,
     Hello,
@@ -110,8 +111,10 @@ def check_group_result(msg: GroupResult, limits: Limits, group_size: int) -> Non
         steps = episode.steps
         if not (1 <= len(steps) <= max_steps):
             _fail(f"episode {i}: {len(steps)} steps outside 1..{max_steps}")
-        if not math.isfinite(episode.reward):
-            _fail(f"episode {i}: reward is not finite")
+        if not abs(episode.reward) <= MAX_ABS_REWARD:  # NaN fails too
+            _fail(
+                f"episode {i}: reward {episode.reward} is not finite or beyond ±{MAX_ABS_REWARD:g}"
+            )
         if episode.metrics:
             _check_episode_metrics(i, episode.metrics)
         headers += steps
@@ -127,6 +130,7 @@ def check_group_result(msg: GroupResult, limits: Limits, group_size: int) -> Non
         or max(response_lens) > limits.max_response_tokens
         or min(h.version for h in headers) < 0
         or not {h.finish_reason for h in headers} <= _FINISH_REASONS
+        or any(h.reward is not None and not abs(h.reward) <= MAX_ABS_REWARD for h in headers)
     ):
         for i, h in enumerate(headers):
             problem = _step_problem(h, limits)
@@ -189,6 +193,8 @@ def _step_problem(h: StepHeader, limits: Limits) -> str:
         return f"negative weight version {h.version}"
     if h.finish_reason not in _FINISH_REASONS:
         return f"finish_reason must be 'stop' or 'length', got {h.finish_reason!r}"
+    if h.reward is not None and not abs(h.reward) <= MAX_ABS_REWARD:  # NaN fails too
+        return f"step reward {h.reward} is not finite or beyond ±{MAX_ABS_REWARD:g}"
     return ""
 
 

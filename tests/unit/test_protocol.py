@@ -362,10 +362,23 @@ def test_vocab_is_per_model() -> None:
 
 def test_check_group_result_refusals() -> None:
     _invalid(check_group_result, _group(), LIMITS, 3, match=r"has 2 episodes, lease asked 3")
-    episodes = [m.Episode(steps=[_step()], reward=math.nan)]
-    _invalid(
-        check_group_result, _group(episodes), LIMITS, 1, match=r"episode 0: reward is not finite"
-    )
+    for bad in (math.nan, math.inf, -2e6):
+        episodes = [m.Episode(steps=[_step()], reward=bad)]
+        _invalid(
+            check_group_result, _group(episodes), LIMITS, 1,
+            match=r"episode 0: reward .* is not finite or beyond ±1e\+06",
+        )  # fmt: skip
+        step = _step(reward=bad)  # a step's own (role) reward: the same bound
+        _invalid(
+            check_group_result, _group([m.Episode(steps=[step], reward=1.0)]), LIMITS, 1,
+            match=r"step 0: step reward .* is not finite or beyond ±1e\+06",
+        )  # fmt: skip
+    at_bound = _group([m.Episode(steps=[_step(reward=-1e6)], reward=0.5)])
+    check_group_result(at_bound, LIMITS, 1)  # the bound itself is accepted, and travels
+    decoded = decode_to_broker(encode(at_bound))
+    assert isinstance(decoded, m.GroupResult)
+    (episode,) = decoded.unpack()
+    assert episode.steps[0].reward == -1e6 and episode.reward == 0.5
     episodes = [m.Episode(steps=[_step()], reward=1.0), m.Episode(steps=[], reward=1.0)]
     _invalid(
         check_group_result, _group(episodes), LIMITS, 2, match=r"episode 1: 0 steps outside 1..4"
