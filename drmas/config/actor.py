@@ -17,6 +17,7 @@ from drmas.config.types import (
     PauseMode,
     Port,
     Positive,
+    RewardKind,
     Seconds,
 )
 
@@ -104,6 +105,11 @@ class WorkflowConfig:
     The search team's `search` tool (the retriever) may be replaced this way."""
     options: dict[str, Any] = field(default_factory=dict)
     """Free settings of your own team (read as self.cfg.options)."""
+    rewards: RewardKind = "team"
+    """team: every step of an episode is scored with the team's reward (as the paper);
+    role: the built-in teams pay each agent for its own job (math: the Solver for a right
+    answer, the Verifier for a right verdict; search: the Search Agent for retrieving the
+    answer, the Answer Agent for exact match, the Verifier for a right verdict)."""
     max_loops: Positive = 2
     """math: Solver/Verifier rounds; the Verifier is skipped on the last one."""
     max_turns: Positive = 4

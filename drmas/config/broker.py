@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drmas.config.types import AdvantageMode, NonNegativeFloat, Positive, Scope, Seconds, StdKind
+from drmas.config.types import (
+    AdvantageMode,
+    NonNegativeFloat,
+    Positive,
+    Scope,
+    Seconds,
+    StdKind,
+    StdPool,
+)
 
 
 @dataclass
@@ -22,6 +30,13 @@ class AdvantageConfig:
     scope: Scope = "group"
     """group: statistics per prompt group; batch: pooled over the whole groups (every
     agent's steps) of the model's training batch."""
+    agent_std_pool: StdPool = "group"
+    """agent modes: an agent's sigma from its steps in the group (group, Dr. MAS as
+    written), or from its group-centred scores pooled over the batch's groups (batch: the
+    per-group mean is kept; steadier for an agent with few steps per group)."""
+    std_floor: NonNegativeFloat = 0.0
+    """A floor under every sigma, on the reward scale (0 = none): a difference smaller
+    than it (e.g. only the invalid-action penalty) is not blown up to unit size."""
 
 
 @dataclass

@@ -57,4 +57,10 @@ TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
 ProbeBaseline = Literal["global", "step_global", "agent_mean", "agent_std"]
 """Global baselines `drmas probe` compares with agent-wise advantages."""
 OnInvalid = Literal["continue", "end"]
+RewardKind = Literal["team", "role"]
+"""team: every step scored with the episode's team reward; role: each agent paid for its
+own job (the built-in teams' role rewards, docs/own-team.md)."""
+StdPool = Literal["group", "batch"]
+"""Where an agent's standard deviation comes from: its steps in the group, or its
+group-centred scores pooled over the batch (the group mean kept)."""
 """search team: what follows an action that does not parse."""
