@@ -1,12 +1,13 @@
 """Per-model step buffers and batch cutting (pure logic, no sockets).
 
-A finished group is scored (team reward minus invalid-action penalty per step) and split
-into one *slice* per model: the steps of the agents bound to that model. Each model's
+A finished group is scored (each step's reward -- its own Step.reward, else the episode's
+team reward -- minus its invalid-action penalty: drmas/broker/scores.py) and split into
+one *slice* per model: the steps of the agents bound to that model. Each model's
 learner takes batches of `batch_groups` slices. When a batch is cut, advantages are
 computed in one vectorised call (drmas/broker/advantages.py) over the WHOLE groups its
 slices come from, every agent's steps included, and only then is this model's share taken:
 splitting a group by model never changes a number, so `global` is the true GRPO baseline
-(the team's episode means) and `step_global` pools every step, whichever model serves
+(over the group's episode mean scores) and `step_global` pools every step, whichever model serves
 which agent. Statistics stay per group (or pooled over the batch's groups, scope=batch).
 Staleness is checked at the cut; a slice that is too stale is dropped and reported to the
 caller. A whole model counts it in model versions (v_l - v_b); a LoRA base in each step's
@@ -26,6 +27,7 @@ import numpy as np
 
 from drmas.broker.adapter_versions import Staleness
 from drmas.broker.advantages import compute_advantages
+from drmas.broker.scores import step_scores
 from drmas.config.broker import AdvantageConfig
 from drmas.protocol.messages import BatchShard, GroupResult, Sample, Task
 
@@ -36,8 +38,8 @@ class StepColumns(NamedTuple):
     agents: list[str]
     versions: list[int]
     spans: list[tuple[int, int, int, int]]  # byte offsets p0, p1, r0, r1 in the group's buffers
-    scores: list[float]  # step score: team reward minus its invalid-action penalty
-    rewards: list[float]  # episode team reward per step
+    scores: list[float]  # step score: its reward minus its invalid-action penalty
+    rewards: list[float]  # step reward: its own (Step.reward), else the episode's team reward
     episode_ids: list[int]  # episode index within the group per step
 
     def take(self, steps: list[int]) -> StepColumns:
@@ -66,12 +68,12 @@ class ScoredGroup:
         episode_of = [e for e, episode in enumerate(episodes) for _ in episode.steps]
         p_off = [0, *itertools.accumulate(4 * h.prompt_len for h in headers)]
         r_off = [0, *itertools.accumulate(4 * h.response_len for h in headers)]
-        rewards = [episodes[e].reward for e in episode_of]
+        rewards, scores = step_scores(episodes, self.penalty)
         return StepColumns(
             agents=[h.agent for h in headers],
             versions=[h.version for h in headers],
             spans=[(p_off[i], p_off[i + 1], r_off[i], r_off[i + 1]) for i in range(len(headers))],
-            scores=[r if h.valid else r - self.penalty for h, r in zip(headers, rewards)],
+            scores=scores,
             rewards=rewards,
             episode_ids=episode_of,
         )
@@ -233,7 +235,8 @@ def batch_stats(
     stale: Staleness | None = None,
 ) -> dict[str, float]:
     """Per-agent reward/score/advantage statistics and staleness of one batch (`stale`:
-    how a sample's staleness is counted; None: in model versions)."""
+    how a sample's staleness is counted; None: in model versions). `reward/<agent>/mean`
+    is the mean of the agent's own step rewards (its role reward where the team pays one)."""
     by_agent: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
     staleness = []
     scores = [
