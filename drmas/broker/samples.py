@@ -5,7 +5,8 @@ groups: every `run.samples_every` steps, the first group accepted at that step g
 first `run.samples_episodes` episodes. Each record holds, per episode, the team reward
 and every step in order: the agent, its model, the weight version that generated it, the
 prompt and response text (decoded with the model's tokenizer), whether its action
-parsed, its score and its advantage. Advantages are the group's own (scope=group), as
+parsed, its reward (its own Step.reward, else the team reward: drmas/broker/scores.py),
+its score and its advantage. Advantages are the group's own (scope=group), as
 the learners get them; with algorithm.advantage.scope=batch the learners' differ, and
 the record says which scope it used. `drmas show RUN_DIR` prints the latest records.
 """
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from drmas.broker.advantages import compute_advantages
+from drmas.broker.scores import step_scores
 from drmas.config.broker import AdvantageConfig
 from drmas.protocol.arrays import unpack_ids
 from drmas.protocol.messages import GroupResult, Task
@@ -98,9 +100,7 @@ class SampleWriter:
 
     def record(self, step: int, task: Task, result: GroupResult) -> dict[str, Any]:
         headers = [(e, h) for e, ep in enumerate(result.episodes) for h in ep.steps]
-        scores = [
-            result.episodes[e].reward - (0.0 if h.valid else self.penalty) for e, h in headers
-        ]
+        rewards, scores = step_scores(result.episodes, self.penalty)
         advantages = compute_advantages(
             np.asarray(scores, dtype=np.float64),
             np.zeros(len(headers), dtype=np.int64),
@@ -125,7 +125,7 @@ class SampleWriter:
                 episodes.append({"reward": result.episodes[e].reward, "steps": []})
             episodes[e]["steps"].append({
                 "agent": h.agent, "model": h.model, "version": h.version, "valid": h.valid,
-                "finish_reason": h.finish_reason, "score": scores[i],
+                "finish_reason": h.finish_reason, "reward": rewards[i], "score": scores[i],
                 "advantage": float(advantages[i]),
                 "prompt": self._text(h.model, prompt), "response": self._text(h.model, response),
             })  # fmt: skip
@@ -186,8 +186,10 @@ def _print_record(rec: dict[str, Any], out: Any) -> None:
         print(f"\n--- episode {e} · team reward {ep['reward']:.2f}", file=out)
         for st in ep["steps"]:
             flag = "" if st["valid"] else " · INVALID"
-            print(f"[{st['agent']} · {st['model']} v{st['version']} · score {st['score']:.2f}"
-                  f" · advantage {st['advantage']:+.2f}{flag}]", file=out)  # fmt: skip
+            reward = st.get("reward", ep["reward"])  # records before per-step rewards: the team's
+            print(f"[{st['agent']} · {st['model']} v{st['version']} · reward {reward:.2f}"
+                  f" · score {st['score']:.2f} · advantage {st['advantage']:+.2f}{flag}]",
+                  file=out)  # fmt: skip
             print(f"  {_last_line(st['prompt'])}", file=out)
             print(f"  → {str(st['response']).strip()}", file=out)
     print(file=out)

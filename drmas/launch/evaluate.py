@@ -12,7 +12,9 @@ One process, no broker: the actor's engines (actor.engine: hf on CPU, vllm/sglan
 load each model's folder, the team (workflow.name / workflow.target) runs n episodes per
 task, and a task counts as solved by an episode whose reward is >= 1. Reported per data
 source and over all tasks: avg@k, pass@k (the unbiased estimator from n >= k samples) and
-pass@1, each with its standard error over tasks, and the team's own episode metrics.
+pass@1, each with its standard error over tasks, the team's own episode metrics, and
+beside them each agent's mean step reward and the team's mean reward (its own pay where a
+team sets Step.reward: drmas/launch/eval_rewards.py).
 Writes JSON (RUN_DIR/eval.json by default) and prints a table. The defaults are the
 paper's evaluation settings: temperature 0.6, top-p 0.95, k = 16.
 
@@ -40,6 +42,13 @@ from typing import Any
 
 from drmas.broker.evaluation import EvalRound
 from drmas.config import DrmasConfig
+from drmas.launch.eval_rewards import (
+    TEAM_KEY,
+    TaskResult,
+    episode_rewards,
+    format_rewards,
+    reward_columns,
+)
 from drmas.protocol.messages import SamplingParams, Task
 
 log = logging.getLogger("drmas.eval")
@@ -314,7 +323,7 @@ async def sample(
     tasks: list[Task],
     s: EvalSettings,
     adapters: dict[str, dict[str, Path]] | None = None,
-) -> list[tuple[Task, list[float], list[dict[str, float]]]]:
+) -> list[TaskResult]:
     """n episodes of every task by the team over engines holding `weights` (and, on a LoRA
     base, the `adapters` chosen for it)."""
     adapters = adapters or {}
@@ -342,14 +351,19 @@ async def sample(
         done = 0
         start = time.monotonic()
 
-        async def one(task: Task) -> tuple[Task, list[float], list[dict[str, float]]]:
+        async def one(task: Task) -> TaskResult:
             nonlocal done
             async with limit:
                 episodes = await team.run_group(task, sampling, s.samples)
             done += 1
             if done % max(1, -(-len(tasks) // 10)) == 0:
                 log.info("%d/%d tasks (%.0fs)", done, len(tasks), time.monotonic() - start)
-            return task, [e.reward for e in episodes], [dict(e.metrics) for e in episodes]
+            return TaskResult(
+                task,
+                [e.reward for e in episodes],
+                [dict(e.metrics) for e in episodes],
+                [episode_rewards(e) for e in episodes],
+            )
 
         try:
             return list(await asyncio.gather(*(one(t) for t in tasks)))
@@ -360,30 +374,31 @@ async def sample(
             await engine.close()
 
 
-def score(
-    results: list[tuple[Task, list[float], list[dict[str, float]]]], s: EvalSettings
-) -> dict[str, Any]:
+def score(results: Sequence[tuple[Any, ...]], s: EvalSettings) -> dict[str, Any]:
     """Over all tasks and per data source: avg@k, pass@k, pass@1 (± standard error over
-    tasks) and the team's episode metrics."""
+    tasks), the team's episode metrics, and each agent's mean step reward beside the
+    team's mean reward (`reward/<agent>`, `team_reward`). `results`: TaskResults, or
+    (task, rewards, metrics) triples."""
+    rows = [TaskResult(*row) for row in results]
+    sources = {r.task.source or "default" for r in rows}
 
-    sources = {t.source or "default" for t, _, _ in results}
-
-    def table(rows: list[tuple[Task, list[float], list[dict[str, float]]]]) -> dict[str, float]:
-        round_ = EvalRound(0, [t for t, _, _ in rows], s.samples, s.k)
-        for task, rewards, metrics in rows:
-            round_.record(task, rewards, metrics)
+    def table(part: list[TaskResult]) -> dict[str, float]:
+        round_ = EvalRound(0, [r.task for r in part], s.samples, s.k)
+        for r in part:
+            round_.record(r.task, r.rewards, r.metrics)
         per_source = tuple(f"val/{src}/" for src in sources)  # reported separately
-        return {
+        metrics = {
             key.removeprefix("val/"): value
             for key, value in round_.metrics().items()
             if not key.startswith(per_source)
         }
+        return metrics | reward_columns(part)
 
-    by_source: dict[str, list[tuple[Task, list[float], list[dict[str, float]]]]] = {}
-    for row in results:
-        by_source.setdefault(row[0].source or "default", []).append(row)
+    by_source: dict[str, list[TaskResult]] = {}
+    for row in rows:
+        by_source.setdefault(row.task.source or "default", []).append(row)
     return {
-        "overall": table(results),
+        "overall": table(rows),
         "sources": {src: table(rows) for src, rows in sorted(by_source.items())},
     }
 
@@ -398,13 +413,16 @@ def format_table(report: dict[str, Any]) -> str:
     for source, m in rows:
         cells = [f"{m[key]:.3f} ± {m[key + '/se']:.3f}" for key in keys]
         lines.append(f"| {source} | {int(m['tasks'])} | " + " | ".join(cells) + " |")
+    o = report["overall"]
     extra = sorted(
-        key for key in report["overall"] if "@" not in key and "/" not in key and key != "tasks"
+        key for key in o if "@" not in key and "/" not in key and key not in ("tasks", TEAM_KEY)
     )
     if extra:
-        o = report["overall"]
         lines.append("")
         lines.append("team metrics: " + ", ".join(f"{key} {o[key]:.3f}" for key in extra))
+    rewards = format_rewards(o)
+    if rewards:
+        lines += ["", rewards]
     return "\n".join(lines)
 
 
