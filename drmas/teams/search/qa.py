@@ -4,6 +4,8 @@ The usual open-domain QA normalisation (as in SQuAD / NQ / Search-R1 evaluations
 case, punctuation removed, the articles a / an / the removed, whitespace folded. Exact
 match (EM) is 1.0 when the normalised answer equals any normalised gold answer; token F1
 is the best F1 over the gold answers. Both never raise: a missing answer scores 0.
+`contains_answer` (the search team's role rewards) asks whether a text, such as the
+passages of a search, holds a gold answer as whole normalised words.
 """
 
 from __future__ import annotations
@@ -48,3 +50,17 @@ def f1_score(answer: str | None, golds: Sequence[str]) -> float:
         precision, recall = common / len(tokens), common / len(gold_tokens)
         best = max(best, 2 * precision * recall / (precision + recall))
     return best
+
+
+def contains_answer(text: str | None, golds: Sequence[str]) -> bool:
+    """True if some gold answer, normalised, occurs in the normalised text as a run of whole
+    words ("orsa" in "lumo is a city in orsa", not in "orsaland"). An empty gold answer
+    never counts, so a gold that normalises to nothing cannot match every text."""
+    if not text:
+        return False
+    padded = f" {normalize_answer(text)} "
+    for gold in golds:
+        norm = normalize_answer(gold)
+        if norm and f" {norm} " in padded:
+            return True
+    return False

@@ -12,8 +12,27 @@ An action that does not parse (no verdict, no query) is a penalised step
 then continues (routed like "no") or ends unanswered, as workflow.on_invalid says.
 
 Reward: exact match of the final answer against any gold answer after the usual QA
-normalisation (drmas/teams/search/qa.py; `score`, which `workflow.reward` may replace). Episode metrics (averaged by the broker into
-rollout/<name> and val/<name>): em, f1, answered, search_calls, turns, invalid_actions.
+normalisation (drmas/teams/search/qa.py; `score`, which `workflow.reward` may replace).
+That is the episode's (team) reward: with `workflow.rewards=team` (the default) every step
+is scored with it, and it is always what validation counts as solved. Episode metrics
+(averaged by the broker into rollout/<name> and val/<name>): em, f1, answered,
+search_calls, turns, invalid_actions.
+
+Role rewards (`workflow.rewards=role`): each step carries its own `Step.reward`, and the
+broker scores the step with it (minus algorithm.invalid_action_penalty when the step is
+invalid). "Holds the answer" means a gold answer occurs, as whole normalised words, in
+the text (`contains_answer`, qa.py):
+    Search Agent    1.0 if the passages its own query retrieved hold the answer, else 0.0
+                    (a first hop that finds only the bridge entity earns 0; a reply
+                    without a query earns 0);
+    Answer Agent    exact match of its answer (the team reward of its episode);
+    Verifier        1.0 for a right verdict: yes if the passages retrieved so far in the
+                    episode (before this verdict) hold the answer, no if they do not;
+                    0.0 for a wrong verdict and for a reply without one. This is what the
+                    episode knows; whether the Answer Agent then copies the answer is the
+                    Answer Agent's job and is paid to it.
+These use the team's own grading, so role rewards and `workflow.reward` exclude each other
+(check_settings refuses both).
 
 The `search` tool is the retriever (`RetrieverTool`): a BatchingRetriever
 (drmas/retrieval/batching.py) turns the searches of every episode in flight on this actor
@@ -49,7 +68,7 @@ from drmas.teams.search.prompts import (
     parse_verdict,
     render_passages,
 )
-from drmas.teams.search.qa import exact_match, f1_score
+from drmas.teams.search.qa import contains_answer, exact_match, f1_score
 
 if TYPE_CHECKING:
     from drmas.config import DrmasConfig
@@ -96,6 +115,12 @@ class SearchTeam(Team):
             raise ValueError(f"workflow.max_turns must be >= 1, got {cfg.max_turns}")
         if cfg.on_invalid not in ("continue", "end"):
             raise ValueError(f"workflow.on_invalid must be continue or end, got {cfg.on_invalid!r}")
+        if cfg.rewards == "role" and cfg.reward:
+            raise ValueError(
+                f"workflow.rewards=role pays the search team's agents by its own grading, so "
+                f"workflow.reward={cfg.reward!r} would not train anything: unset "
+                "workflow.reward, or keep workflow.rewards=team to train with it"
+            )
 
     def check_tools(self) -> None:
         if SEARCH_TOOL not in self.tool_fns:
@@ -131,8 +156,10 @@ class SearchTeam(Team):
         from drmas.config import ConfigError
 
         w = cfg.workflow
-        if w.on_invalid not in ("continue", "end"):
-            raise ConfigError(f"workflow.on_invalid must be continue or end, got {w.on_invalid!r}")
+        try:
+            cls.check_settings(w)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         if SEARCH_TOOL in w.tools:
             return
         r = cfg.retriever
@@ -170,17 +197,26 @@ class SearchTeam(Team):
         answer: str | None = None
         searches = invalid = 0
         stop_on_invalid = self.cfg.on_invalid == "end"
+        golds = task.answers or [task.answer]
+        role = self.cfg.rewards == "role"
+        retrieved = False  # a passage retrieved so far in this episode holds the answer
         turn = 0
         for turn in range(1, self.cfg.max_turns + 1):
             if turn < self.cfg.max_turns:
                 text, step = await self.call(VERIFIER, task, turns, sampling)
                 verdict = parse_verdict(text)
                 invalid += self._record(step, verdict is not None, steps, turns, text)
+                if role:
+                    step.reward = 1.0 if verdict is not None and verdict == retrieved else 0.0
                 if verdict is None and stop_on_invalid:
                     break
                 if not verdict:
                     search = await self.tool_step(SEARCHER, task, turns, sampling, _search_call)
                     steps.append(search.step)
+                    hit = role and search.tool is not None and contains_answer(search.result, golds)
+                    retrieved = retrieved or hit
+                    if role:
+                        search.step.reward = 1.0 if hit else 0.0
                     if search.tool is None:
                         invalid += 1
                         if stop_on_invalid:
@@ -191,8 +227,9 @@ class SearchTeam(Team):
             text, step = await self.call(ANSWERER, task, turns, sampling)
             answer = parse_answer(text)
             invalid += self._record(step, answer is not None, steps, turns, text)
+            if role:
+                step.reward = exact_match(answer, golds)
             break
-        golds = task.answers or [task.answer]
         metrics = {
             "em": exact_match(answer, golds),
             "f1": f1_score(answer, golds),
