@@ -15,13 +15,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from drmas.config.types import AdvantageMode, Scope, StdKind
+from drmas.config.types import AdvantageMode, Scope, StdKind, StdPool
 
 Float = NDArray[np.float64]
 Index = NDArray[np.intp]
 
 _STD_DDOF: dict[StdKind, int] = {"unbiased": 1, "population": 0}
 _SCOPES: tuple[Scope, ...] = ("group", "batch")
+_POOLS: tuple[StdPool, ...] = ("group", "batch")
 
 
 def _stats(keys: Index, values: Float, num_keys: int, ddof: int) -> tuple[Float, Float]:
@@ -36,6 +37,29 @@ def _stats(keys: Index, values: Float, num_keys: int, ddof: int) -> tuple[Float,
     return np.where(lone, 0.0, mean), np.where(lone, 1.0, std)
 
 
+def _pooled_std(cell: Index, name: Index, values: Float, mean: Float, ddof: int) -> Float:
+    """Per step: its agent's std around the per-cell means, pooled over every cell.
+
+    ``cell`` is the step's (group, agent) index, ``name`` its agent, ``mean`` its cell's
+    mean. Agent k's variance is Σ (s − μ_gk)² over its steps / Σ (n_gk − ddof) over its
+    cells with n_gk >= 2 (unbiased: the classical pooled within-group variance; one group:
+    exactly the per-group std). A lone step keeps std 1 (as in `_stats`) and adds nothing.
+    """
+    num_cells = int(cell.max()) + 1
+    count = np.bincount(cell, minlength=num_cells)  # [C]
+    lone = (count <= 1)[cell]  # [N]
+    num_names = int(name.max()) + 1
+    sq = np.bincount(name, weights=np.where(lone, 0.0, (values - mean) ** 2), minlength=num_names)
+    cell_name = np.empty(num_cells, dtype=np.intp)  # [C] the agent of each cell
+    cell_name[cell] = name
+    dof = np.bincount(
+        cell_name, weights=np.where(count > 1, count - ddof, 0).astype(np.float64),
+        minlength=num_names,
+    )  # fmt: skip
+    std = np.sqrt(sq / np.where(dof > 0, dof, 1.0))  # [num_names]
+    return np.where(lone, 1.0, std[name])
+
+
 class _Steps:
     """The input as dense indices, one entry per step, and the statistics the modes combine
     (each computed once, when a mode first asks for it)."""
@@ -46,6 +70,8 @@ class _Steps:
         self.episode = episode  # [N] episode index; episodes are never shared by groups
         self.agent = agent  # [N] (group, agent) index in [0, num_group_agents)
         self.ddof = ddof
+        # agent_std_pool=batch: the agent (name) index of every step; None: σ_k per group
+        self.pool_by: Index | None = None
 
     @functools.cached_property
     def _team(self) -> tuple[Float, Float, Float]:
@@ -61,9 +87,13 @@ class _Steps:
 
     @functools.cached_property
     def _agent(self) -> tuple[Float, Float]:
-        """Per step: μ_k, σ_k over every call of its agent k in its group."""
+        """Per step: μ_k, σ_k over every call of its agent k in its group (σ_k pooled over
+        every group of the input when `pool_by` is set; μ_k stays the group's)."""
         mean, std = _stats(self.agent, self.s, int(self.agent.max()) + 1, self.ddof)
-        return mean[self.agent], std[self.agent]
+        if self.pool_by is None:
+            return mean[self.agent], std[self.agent]
+        mu_k = mean[self.agent]
+        return mu_k, _pooled_std(self.agent, self.pool_by, self.s, mu_k, self.ddof)
 
     @functools.cached_property
     def _pooled(self) -> tuple[Float, Float]:
@@ -173,6 +203,8 @@ def compute_advantages(
     eps: float = 1e-6,
     std: StdKind = "unbiased",
     scope: Scope = "group",
+    agent_std_pool: StdPool = "group",
+    std_floor: float = 0.0,
 ) -> np.ndarray:
     """One advantage per step (float64), to be broadcast to the step's response tokens.
 
@@ -188,16 +220,30 @@ def compute_advantages(
     ``norm_by_std=False`` returns value − centre. ``scope="batch"`` ignores ``group_ids``
     and treats the whole input as one group. Episodes are identified by (group id,
     episode id), so episode ids need only be unique per group.
+
+    Small-sample options (docs/algorithm.md, "Steadier agent statistics"):
+    ``agent_std_pool="batch"`` takes σ_k (modes agent, agent_std) from agent k's
+    group-centred scores pooled over every group of the input, the per-group μ_k kept,
+    so an agent with few steps per group gets a std from many; ``std_floor`` > 0 divides
+    by max(σ, std_floor) for every σ of the mode, so a difference smaller than the floor
+    (e.g. the invalid-action penalty alone) is not blown up to unit size. The defaults
+    ("group", 0) give today's numbers bit for bit.
     """
     _choice("advantage mode", mode, list(_MODES))
     _choice("std", std, list(_STD_DDOF))
     _choice("scope", scope, _SCOPES)
-    if not (np.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    _choice("agent_std_pool", agent_std_pool, _POOLS)
+    for name, x in (("eps", eps), ("std_floor", std_floor)):
+        if not (np.isfinite(x) and x >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {x!r}")
     steps = _steps_of(scores, group_ids, episode_ids, agent_ids, _STD_DDOF[std], scope)
     if steps is None:
         return np.zeros(0, dtype=np.float64)
+    if agent_std_pool == "batch":
+        steps.pool_by = _dense(np.asarray(agent_ids).astype(str))
     value, centre, scale = _MODES[mode](steps)
     if not norm_by_std:
         return value - centre
+    if std_floor > 0:
+        scale = np.maximum(scale, std_floor)
     return (value - centre) / (scale + eps)

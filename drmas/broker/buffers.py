@@ -165,6 +165,8 @@ def slice_advantages(slices: list[GroupSlice], adv: AdvantageConfig) -> list[np.
         eps=adv.eps,
         std=adv.std,
         scope=adv.scope,
+        agent_std_pool=adv.agent_std_pool,
+        std_floor=adv.std_floor,
     )
     offsets = [0, *itertools.accumulate(len(c.scores) for c in whole)]
     return [
