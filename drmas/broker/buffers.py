@@ -28,6 +28,7 @@ import numpy as np
 from drmas.broker.adapter_versions import Staleness
 from drmas.broker.advantages import compute_advantages
 from drmas.broker.scores import step_scores
+from drmas.broker.variation import variation_stats
 from drmas.config.broker import AdvantageConfig
 from drmas.protocol.messages import BatchShard, GroupResult, Sample, Task
 
@@ -323,7 +324,8 @@ class ModelBuffer:
             slices=slices,
             samples=samples,
             shards=shard(self.model, version, samples, world_size),
-            stats=batch_stats(slices, samples, version, self.stale),
+            stats=batch_stats(slices, samples, version, self.stale)
+            | variation_stats(slices, samples),
         )
         self.cut[version] = batch
         self.batches_cut += 1

@@ -2,7 +2,8 @@
 
 Line for step s (= model versions after s optimizer steps) is written once every model
 has reported step s and finished publishing its weights. It holds:
-- batch statistics (rewards, scores, advantages per agent, staleness);
+- batch statistics (rewards, scores, advantages per agent, staleness; per agent, how
+  many groups vary and the largest |advantage|: drmas/broker/variation.py);
 - learner metrics (loss, grad norms, train_s, batch_wait_s, ...) and the publish's
   (`weight_sync_s/<model>`, `weight_sync_bytes/<model>`; on a LoRA base
   `publish_adapters/<model>`, the adapters it carried: drmas/broker/publishing.py);
@@ -142,6 +143,7 @@ class StepMetrics:
         line = {"step": step, **self.pending.pop(step, {})}
         line["episodes_per_s"], line["tokens_per_s"] = self.rates(time.monotonic())
         line["dropped_stale_groups"] = counters.get("dropped_stale_groups", 0)
+        line["zero_variance_groups_skipped"] = counters.get("zero_variance_groups_skipped", 0)
         line["broker/busy"] = self.cpu.busy_since_last_line(time.monotonic())
         line |= self._actor_fractions()
         for name, total in self._episode_sums.items():

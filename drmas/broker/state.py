@@ -17,7 +17,8 @@ Rules:
 - staleness: a slice that would train version v_l more than η after it was generated (on
   a LoRA base: in the versions of its steps' adapters) is dropped when its batch is cut,
   counted, and its task re-queued;
-- accounting: every accepted group is trained at most once per model (checked).
+- accounting: every accepted group is trained at most once per model (checked), a
+  zero-variance group skipped at intake by none (drmas/broker/variation.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from drmas.broker.evaluation import Validation
 from drmas.broker.leases import ActorRecord, LearnerRecord, LeaseRecord, LeaseTable
 from drmas.broker.metrics import NullSink, StepMetrics
 from drmas.broker.publishing import WeightPublishing
+from drmas.broker.variation import ZeroVarianceFilter
 from drmas.config import DrmasConfig
 from drmas.protocol import ProtocolError
 from drmas.protocol.messages import (
@@ -86,6 +88,7 @@ class BrokerState:
         self.learners: dict[str, LearnerRecord] = {}  # client id -> its model, rank, last seen
         self.metrics = metrics or StepMetrics(NullSink(), self.models)
         self.counters: collections.Counter[str] = collections.Counter()
+        self.zero_variance = ZeroVarianceFilter(cfg, self.counters)
         self.trained_groups: dict[str, set[int]] = {m: set() for m in self.models}
         # (model, version, group id, task id) per trained group, until a checkpoint holds it
         self.trained_log: list[tuple[str, int, int, str]] = []
@@ -346,6 +349,8 @@ class BrokerState:
             self.agent_models,
             self.cfg.algorithm.invalid_action_penalty,
         )
+        if self.zero_variance.skip(slices):  # no model trains it; its task is not requeued
+            return ""
         for model, part in slices.items():
             buf = self.buffers[model]
             if buf.batches_cut >= self.cfg.train.steps:
