@@ -111,6 +111,7 @@ class SampleWriter:
             eps=self.advantage.eps,
             std=self.advantage.std,
             scope="group",
+            std_floor=self.advantage.std_floor,
         )
         prompts, responses = unpack_ids(result.prompt_ids), unpack_ids(result.response_ids)
         episodes: list[dict[str, Any]] = []
