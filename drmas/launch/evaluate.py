@@ -310,9 +310,14 @@ async def _load_adapters(engine: Any, folders: dict[str, Path]) -> None:
     named = [
         pair for adapter, folder in folders.items() for pair in adapter_tensors(folder, adapter)
     ]
+    from drmas.actors.engines import LoadsAdapters
+
     await engine.pause()
     try:
-        engine.load_weights(named, 0)
+        if isinstance(engine, LoadsAdapters):  # vLLM: new adapter folders for its workers
+            await engine.load_adapters(named, 0)
+        else:
+            engine.load_weights(named, 0)
     finally:
         await engine.resume()
 

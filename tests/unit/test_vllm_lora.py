@@ -245,3 +245,34 @@ def test_a_failed_publish_of_one_adapter_switches_nothing(model_path: Path) -> N
         server.close()
 
     asyncio.run(main())
+
+
+def test_eval_loads_chosen_adapters_without_a_weight_group(model_path: Path) -> None:
+    """drmas eval hands a vLLM engine the adapters of chosen PEFT folders in this process
+    (LoadsAdapters.load_adapters, not load_weights): the given adapter switches to a new
+    folder holding exactly those tensors, the other keeps its initial one, and the digest
+    read back covers both."""
+    from drmas.actors.engines import LoadsAdapters
+
+    engine = VLLMEngine(
+        "policy", model_path, EngineConfig(name="vllm"), lora=LORA, adapters=ADAPTERS
+    )
+    assert isinstance(engine, LoadsAdapters)
+    assert engine.adapters is not None
+    engine.adapters.make_request = FakeRequest
+    engine.llm = FakeLLM()
+
+    async def main() -> None:
+        assert engine.adapters is not None
+        await engine.adapters.start(engine.llm, base_slot=False)
+        before = dict(engine.adapters.slots.current)
+        sent = published(peft_model(model_path))
+        initial = lf.initial_adapter_tensors(model_path, LORA, ADAPTERS)
+        await engine.load_adapters(only(sent, "solver"), 0)
+        now = engine.adapters.slots.current
+        assert now["verifier"] is before["verifier"] and now["solver"] is not before["solver"]
+        expected = [*only(sent, "solver"), *only(initial, "verifier")]
+        assert engine.weights_digest() == digest_of(expected)
+        engine.adapters.close()
+
+    asyncio.run(main())

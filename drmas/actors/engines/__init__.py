@@ -12,7 +12,7 @@ adapter names (DrmasConfig.adapters_of) on, and each request names its adapter.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -21,6 +21,8 @@ from drmas.config.actor import EngineConfig
 from drmas.config.model import LoraConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from drmas.protocol.messages import JoinWeightGroup
 
 
@@ -32,6 +34,18 @@ class ReceivesWeights(Protocol):
         """Join `join`'s group, load every bucket into the running model (call only while
         paused), set `version` to `join.version`; return the drmas digest of the loaded
         weights ("" when `digest` is False or they cannot be read back)."""
+        ...
+
+
+@runtime_checkable
+class LoadsAdapters(Protocol):
+    """An engine whose LoRA adapters load asynchronously from tensors held in this process
+    (vLLM: its workers read new adapter folders), not through `load_weights`."""
+
+    async def load_adapters(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Serve these adapter tensors (PeftModel names) from now on; the others stay."""
         ...
 
 

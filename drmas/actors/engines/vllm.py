@@ -390,6 +390,25 @@ class VLLMEngine:
         )  # fmt: skip
         return found
 
+    async def load_adapters(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """LoadsAdapters (engines/__init__.py): adapters given in this process (drmas eval's
+        chosen PEFT folders), written here into new folders and served from now on exactly
+        as a publish's would be; the adapters not given keep theirs. No weight group."""
+        if self.adapters is None:
+            raise ValueError(f"engine {self.model_name!r} has no adapters (lora.rank is 0)")
+        tensors = list(named_tensors)
+
+        async def write(folders: dict[str, str]) -> dict[str, Any]:
+            wanted = {a: Path(f) for a, f in folders.items()}
+            counts = await asyncio.to_thread(vllm_lora.write_adapter_tensors, tensors, wanted)
+            size = sum(t.numel() * t.element_size() for _, t in tensors)
+            return {"adapters": sorted(counts), "tensors": len(tensors), "bytes": size}
+
+        found, _ = await self.adapters.receive(self.llm, version, write, digest=True)
+        self.version, self._digest = version, found
+
     def backup_weights(self) -> object:
         """RollsBack (engines/__init__.py): on a LoRA base a failed publish switches nothing,
         so the version is all there is to put back; None (cannot roll back) otherwise."""
