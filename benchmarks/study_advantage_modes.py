@@ -1,47 +1,85 @@
-"""Dr. MAS against GRPO and its ablations on this machine's teams, over seeds.
+"""Dr. MAS against GRPO and its ablations on this machine's teams, over seeds: the study of
+docs/results.md, run, recorded and summarised.
 
-    python benchmarks/study_advantage_modes.py [--only GROUP ...] [--dry-run] [--summarize]
-    python benchmarks/study_advantage_modes.py --smoke --out /tmp/study   (2 tiny runs)
+    python benchmarks/study_advantage_modes.py --dry-run            the plan, its time, the budget
+    python benchmarks/study_advantage_modes.py [--only GROUP ...]    run what is left (resumable)
+    python benchmarks/study_advantage_modes.py --summarize           tables from the recorded runs
+    python benchmarks/study_advantage_modes.py --compare docs/results.md   page rows vs tables
+    python benchmarks/study_advantage_modes.py --smoke --out /tmp/study     (4 tiny runs)
 
-Runs `drmas train` once per (group, mode, seed) in the plan below, one at a time, each
-into benchmarks/results/study/runs/<name>/ (kept: `drmas report` reads them), and writes
-benchmarks/results/study/<name>.json when the run has finished. Resumable: a run whose
-JSON exists is skipped, so the study can be stopped and continued. --summarize (also done
-after the runs) writes benchmarks/results/study/study_summary.json:
-- per group and mode: final validation avg@k and pass@k, mean ± 95 % CI over seeds
-  (Student t), and the gradient-spike statistics of `drmas report`;
-- per group: the paired difference agent − global over the seeds both have, with its
-  95 % CI, and whether the interval excludes 0.
+Two halves, one page:
+- team rewards (recorded): every step of an episode is scored with the team's reward;
+- role rewards (workflow.rewards=role): each agent is paid for its own job, the setting
+  where the paper's lemma predicts that GRPO's shared baseline distorts the agents'
+  gradients.
 
-A seed s changes everything random at once: the warm-started models
-(models.<m>.warmstart.seed; a new model is built and cached per seed), the task stream
-(task.order_seed: the held-out split stays fixed) and the sampling (actor.engine.seed). Main comparisons are synchronous
-(algorithm.max_staleness=0, the paper's setting); the `async` group repeats one pair at
-η = 1.
+Per run (group, mode, seed), one at a time: `drmas prepare` for the first mode of each seed
+(it builds the seed's warm-started models unless cached, timed apart from the run), then
+`drmas train` into <out>/runs/<name>/ (ignored by git). Its config, metrics and summaries
+are copied into <out>/run_files/<name>/ (committed: `drmas report` reads them), and
+<out>/<name>.json is written: final validation, gradient statistics, wall time, the command
+with paths relative to the repository, and the git commit with a dirty flag, read before
+and after the run. A run whose JSON exists is skipped. --summarize (also done after the
+runs) writes study_summary.json and study_summary.md: every table of the page's study part
+(benchmarks/study_tables.py) and the numbers its text quotes.
+
+The code under test is this script's own tree (PYTHONPATH points the run's processes at
+it). Runs refuse a tree with changes outside benchmarks/results/ unless --allow-dirty. To
+run the study while others commit to the repository, run it from a clean worktree and
+write into the repository's results:
+    git worktree add /tmp/study-tree HEAD
+    python /tmp/study-tree/benchmarks/study_advantage_modes.py --out benchmarks/results/study
+
+A seed s changes everything random at once: the warm starts of the group's seeded models
+(models.<m>.warmstart.seed; a model is built and cached per seed), the task stream
+(task.order_seed: the held-out split stays fixed) and the sampling (actor.engine.seed).
+Main comparisons are synchronous (algorithm.max_staleness=0, the paper's setting); the
+`async` group repeats one pair at η = 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
+import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "benchmarks" / "results" / "study"
 sys.path.insert(0, str(REPO))
+
+from study_summary import load_results, summarize  # noqa: E402
+from study_tables import (  # noqa: E402
+    ablation_table,
+    facts,
+    main_table,
+    one_seed_table,
+    paper_table,
+    per_seed_line,
+    probe_table,
+)
 
 from drmas.launch.report_stats import load_run, spike_stats  # noqa: E402
 
-# Validation at the end only (256 held-out tasks, n = k = 8); the step-0 round, which the
-# modes of one seed share (same model, same tasks), is run once per seed in the first mode.
+OUT = REPO / "benchmarks" / "results" / "study"
+PROBE = REPO / "benchmarks" / "results" / "probe"
+BUDGET_MINUTES = 150.0
+"""What one half of the study may take on this 2-core machine (the issue's budget)."""
+
+# Validation at the end only (held-out tasks, n = k = 8); the step-0 round, which the
+# modes of one seed share (same models, same tasks), is run once per seed in the first mode.
 VAL = ("val.every=1000", "val.num_tasks=256", "val.n=8", "val.k=8")
 SEARCH_VAL = ("val.every=1000", "val.n=8", "val.k=8")  # its held-out split: 240 tasks
+MATH = ("algorithm.max_staleness=0", "train.steps=20", *VAL)
+SEARCH = ("experiment=search_tiny", "algorithm.max_staleness=0", "train.steps=30", *SEARCH_VAL)
+SEEDS = (0, 1, 2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -51,29 +89,44 @@ class Group:
     models: tuple[str, ...]  # whose warm start the seed varies
     modes: tuple[str, ...]
     seeds: tuple[int, ...]
-    minutes: float  # measured cost of one run with cached models (estimate for --dry-run)
-    build_minutes: float  # one new warm-started model set per seed
-    step0: bool = True  # validate at step 0 in the first mode of each seed
+    minutes: float  # one run with cached models, without the step-0 round (measured)
+    step0_minutes: float = 0.0  # the step-0 round, in the first mode of each seed; 0 = none
+    half: str = "team"  # team | role rewards
+    reference: str = ""  # the group whose agent and global runs (same seeds) it pairs with
+    table: str = "main"  # how docs/results.md shows it: main | ablation | text (quoted)
+    note: str = ""  # after the first metric's name in its table
+    cuts: str = ""  # what was cut to fit the budget and what that costs
+    step_seconds: float = 0.0  # one training step (median of the recorded runs), for --dry-run
 
 
-MATH = ("algorithm.max_staleness=0", "train.steps=20", *VAL)
+# minutes: medians of the recorded runs with cached models (math 2.5-3.6, search 4.3-9.2:
+# the 2 cores are shared, so one run's time varies up to 2x); step 0 and a training step
+# (math 4.8-14.1 s, median 7.9; search 7.0-14.6 s, median 10.3): their metrics' times.
 PLAN = (
-    Group("math", MATH, ("solver", "verifier"), ("agent", "global"), (0, 1, 2, 3, 4), 2.8, 3.7),
-    # the seed varies the Search Agent's warm start (the agent RL changes most), not the
-    # Verifier/Answer Agent's (4.5 min per seed, which the budget cannot pay five times)
-    Group("search", ("experiment=search_tiny", "algorithm.max_staleness=0", "train.steps=30",
-                     *SEARCH_VAL),
-          ("searcher",), ("agent", "global"), (0, 1, 2, 3, 4), 5.5, 2.5),
+    Group("math", MATH, ("solver", "verifier"), ("agent", "global"), SEEDS, 2.9, 0.4),
+    # the seed varied only the Search Agent's warm start: the Verifier and the Answer Agent
+    # (one folder: identical warm-start settings) kept seed 0's (4.5 min a build)
+    Group("search", SEARCH, ("searcher",), ("agent", "global"), SEEDS, 7.1, 1.0, note=" (EM)"),
     Group("async", ("algorithm.max_staleness=1", "train.steps=20", *VAL), ("solver", "verifier"),
-          ("agent", "global"), (0,), 2.5, 0.0, step0=False),
+          ("agent", "global"), (0,), 3.0, reference="math", table="text"),
     Group("math_ablation", MATH, ("solver", "verifier"), ("agent_mean", "agent_std", "step_global"),
-          (0, 1, 2), 2.5, 0.0, step0=False),
+          (0, 1, 2), 3.0, reference="math", table="ablation"),
     Group("math_shared", ("experiment=tiny_math_shared", *MATH), ("policy",), ("agent", "global"),
-          (0,), 3.0, 0.0),
+          (0,), 2.3, 0.4, table="text"),  # the one-seed pairs' table shows both
     Group("math_hetero", ("experiment=tiny_math_hetero", *MATH), ("solver", "verifier"),
-          ("agent", "global"), (0,), 4.0, 6.0),
+          ("agent", "global"), (0,), 3.5, 0.4, table="text"),
+    Group("math_role", (*MATH, "workflow.rewards=role"), ("solver", "verifier"),
+          ("agent", "global"), SEEDS, 2.9, 0.4, half="role", step_seconds=7.9,
+          cuts="20 steps, not the default 30 (as the team half: the default run has most of "
+               "its held-out gain by step 15); validation only at step 0 and at the end; the "
+               "warm starts are the team half's math seeds 0-4 (reused if still cached)"),
+    Group("search_role", (*SEARCH, "workflow.rewards=role"), ("verifier", "searcher", "answerer"),
+          ("agent", "global"), SEEDS, 7.1, 1.0, half="role", note=" (EM)", step_seconds=10.3,
+          cuts="30 steps, not the default 40 (as the team half: EM 0.59-0.66 by step 20 in the "
+               "default runs); every agent's warm start varies with the seed (the Verifier and "
+               "the Answer Agent share one folder per seed: their warm-start settings are "
+               "identical), which costs a 4.5-minute build per seed the team half did not pay"),
 )  # fmt: skip
-
 
 SMOKE = Group(
     "smoke",
@@ -84,17 +137,47 @@ SMOKE = Group(
 )  # fmt: skip
 """Checks the script end to end in minutes (not a result)."""
 
+BUILD_S_PER_STEP = {
+    ("tiny-qwen2", "math"): 0.109,
+    ("tiny-qwen2", "search"): 0.135,
+    ("tiny-qwen2", "search_queries"): 0.125,
+    ("small-qwen2", "math"): 0.2,
+}
+"""Seconds per warm-start step of a builtin model, for --dry-run: math from the recorded
+runs (seeds 1-4 took 8.2-11.1 min with a 3000-step build, seed 0 2.9 without: 0.109 s a
+step), search_tiny's from its config (2000 steps about 4.5 min, the Search Agent's 1200
+about 2.5), small-qwen2 from math_hetero seed 0 (about 10 min for 3000 steps)."""
+
+PROBE_FILES = {
+    "tiny_math": "tiny_math_sampled.json",
+    "search_tiny (G = 5)": "search_tiny_sampled.json",
+    "tiny_math, role rewards": "tiny_math_role_sampled.json",
+    "search_tiny, role rewards (G = 5)": "search_tiny_role_sampled.json",
+}
+"""The probe results the study's page shows (benchmarks/results/probe/; missing: left out)."""
+ONE_SEED = {
+    "math_shared": "`tiny_math_shared` (Solver and Verifier on one model)",
+    "math_hetero": "`tiny_math_hetero` (Verifier on a 6× larger model, 2 FSDP ranks)",
+}
+PAPER_ROWS = {
+    "math": "math, Dr. MAS vs GRPO",
+    "search": "search, Dr. MAS vs GRPO",
+    "math_role": "math, role rewards, Dr. MAS vs GRPO",
+    "search_role": "search, role rewards, Dr. MAS vs GRPO",
+}
+RUN_FILES = ("config.yaml", "metrics.jsonl", "train_summary.json", "broker_summary.json")
+
 
 def runs(groups: list[Group]) -> list[tuple[str, Group, str, int]]:
     return [(f"{g.name}_{mode}_s{seed}", g, mode, seed)
             for g in groups for seed in g.seeds for mode in g.modes]  # fmt: skip
 
 
-def overrides(group: Group, mode: str, seed: int, run_dir: Path) -> list[str]:
+def overrides(group: Group, mode: str, seed: int, run_dir: str) -> list[str]:
     return [
         *group.overrides,
         f"algorithm.advantage.mode={mode}",
-        f"val.at_start={str(group.step0 and mode == group.modes[0]).lower()}",
+        f"val.at_start={str(group.step0_minutes > 0 and mode == group.modes[0]).lower()}",
         f"task.order_seed={seed}",
         f"actor.engine.seed={seed}",
         *(f"models.{m}.warmstart.seed={seed}" for m in group.models),
@@ -103,281 +186,309 @@ def overrides(group: Group, mode: str, seed: int, run_dir: Path) -> list[str]:
     ]
 
 
-def run_one(name: str, group: Group, mode: str, seed: int) -> None:
-    result = OUT / f"{name}.json"
+# ------------------------------------------------------------------ provenance and paths
+
+
+def _git(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+
+def git_state(tree: Path) -> dict[str, Any]:
+    """HEAD and whether the tree has changes outside benchmarks/results/ (the study's own
+    output, which its runs write while they go)."""
+    head = _git(tree, "rev-parse", "HEAD")
+    if head.returncode != 0:
+        return {"commit": None, "dirty": None, "dirty_paths": []}
+    status = _git(tree, "status", "--porcelain", "--untracked-files=all")
+    paths = [line[3:] for line in status.stdout.splitlines() if len(line) > 3]
+    paths = [p for p in paths if not p.strip('"').startswith("benchmarks/results/")]
+    return {"commit": head.stdout.strip(), "dirty": bool(paths), "dirty_paths": paths[:20]}
+
+
+def results_root(out: Path) -> Path:
+    """The repository that holds the results (paths are recorded relative to it)."""
+    existing = next(p for p in (out, *out.parents) if p.is_dir())
+    top = _git(existing, "rev-parse", "--show-toplevel")
+    return Path(top.stdout.strip()) if top.returncode == 0 else REPO
+
+
+def relative(path: Path, root: Path) -> str:
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def copy_run_files(run_dir: Path, dest: Path, roots: tuple[Path, ...]) -> None:
+    """The files `drmas report` reads, with the repository's own paths made relative."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in RUN_FILES:
+        src = run_dir / name
+        if not src.is_file():
+            continue
+        if name == "metrics.jsonl":
+            shutil.copyfile(src, dest / name)
+            continue
+        text = src.read_text()
+        for root in roots:
+            text = text.replace(f"{root.resolve()}/", "")
+        (dest / name).write_text(text)
+
+
+# ------------------------------------------------------------------ running
+
+
+def _drmas(command: str, args: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "drmas.launch.cli", command, *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=3600)  # fmt: skip
+    return done, time.monotonic() - start
+
+
+def run_one(out: Path, name: str, group: Group, mode: str, seed: int) -> bool:
+    result = out / f"{name}.json"
     if result.is_file():
         print(f"{name}: done before, skipped", flush=True)
-        return
-    run_dir = OUT / "runs" / name
+        return True
+    run_dir = out / "runs" / name
     if run_dir.exists():  # an interrupted attempt: start it again from scratch
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    argv = [
-        sys.executable,
-        "-m",
-        "drmas.launch.cli",
-        "train",
-        *overrides(group, mode, seed, run_dir),
-    ]
-    start = time.monotonic()
-    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=3600)
-    wall = time.monotonic() - start
+        shutil.rmtree(run_dir)
+    root = results_root(out)
+    args = overrides(group, mode, seed, relative(run_dir, REPO))
+    before, started = git_state(REPO), datetime.now(timezone.utc)
+    prepare_s = None
+    if mode == group.modes[0]:  # builds the seed's models unless cached, so the run is timed alone
+        done, prepare_s = _drmas("prepare", args)
+        if done.returncode != 0:
+            print(f"{name}: prepare FAILED ({done.returncode})\n{done.stderr[-2000:]}")
+            return False
+    done, wall = _drmas("train", args)
     if done.returncode != 0:
         print(f"{name}: FAILED ({done.returncode}); see {run_dir / 'logs'}\n{done.stderr[-2000:]}")
-        return
+        return False
+    after = git_state(REPO)
     run = load_run(run_dir)
-    final = run.validation[-1] if run.validation else {}
-    OUT.mkdir(parents=True, exist_ok=True)
-    result.write_text(json.dumps({
-        "name": name, "group": group.name, "mode": mode, "seed": seed, "wall_s": wall,
-        "command": "drmas train " + " ".join(argv[4:]),
-        "validation": run.validation, "final": final, "spikes": spike_stats(run),
-    }, indent=2))  # fmt: skip
-    print(f"{name}: {wall:.0f} s, final {_val_line(final)}", flush=True)
+    copy_run_files(run_dir, out / "run_files" / name, (root, REPO))
+    record = {
+        "name": name, "group": group.name, "mode": mode, "seed": seed, "half": group.half,
+        "wall_s": wall, "prepare_s": prepare_s, "started_utc": started.isoformat(timespec="seconds"),
+        "command": "drmas train " + " ".join(overrides(group, mode, seed, relative(run_dir, root))),
+        "run_dir": relative(run_dir, root), "run_files": relative(out / "run_files" / name, root),
+        "commit": before["commit"], "dirty": before["dirty"], "dirty_paths": before["dirty_paths"],
+        "commit_at_end": after["commit"], "dirty_at_end": after["dirty"],
+        "validation": run.validation, "final": run.validation[-1] if run.validation else {},
+        "spikes": spike_stats(run),
+    }  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    result.write_text(json.dumps(record, indent=2))
+    print(f"{name}: {wall:.0f} s (+{prepare_s or 0:.0f} s prepare), {before['commit']}", flush=True)
+    return True
 
 
-def _val_line(line: dict) -> str:
-    return ", ".join(
-        f"{k} {v:.3f}" for k, v in line.items() if k.startswith("val/") and k.count("/") == 1
-    )
+# ------------------------------------------------------------------ the plan's time
 
 
-def mean_ci(values: list[float]) -> dict[str, float | int | None]:
-    """Mean and 95 % Student-t interval over independent seeds."""
-    n = len(values)
-    if n == 0:
-        return {"n": 0, "mean": None, "lo": None, "hi": None}
-    mean = statistics.fmean(values)
-    if n == 1:
-        return {"n": 1, "mean": mean, "lo": None, "hi": None}
-    half = _t975(n - 1) * statistics.stdev(values) / math.sqrt(n)
-    return {"n": n, "mean": mean, "lo": mean - half, "hi": mean + half}
+def models_needed(group: Group, mode: str, seed: int) -> Iterator[tuple[Path, float, bool]]:
+    """The builtin model folders this run needs: each with its estimated build minutes
+    and whether the cache holds it already (composes the run's config; builds nothing)."""
+    from drmas.cache import default_cache_dir
+    from drmas.config.load import load_config
+    from drmas.models.builtin import BUILTIN_PREFIX, cache_key
+
+    cfg = load_config(overrides(group, mode, seed, "runs/dry-run"))
+    root = Path(cfg.run.cache_dir) if cfg.run.cache_dir else default_cache_dir()
+    for m in cfg.models.values():
+        if not m.path.startswith(BUILTIN_PREFIX):
+            continue
+        name = m.path[len(BUILTIN_PREFIX) :]
+        folder = root / cache_key(name, m.warmstart)
+        rate = BUILD_S_PER_STEP.get((name, m.warmstart.workflow), 0.15)
+        yield folder, m.warmstart.steps * rate / 60, (folder / "config.json").is_file()
 
 
-def _t975(df: int) -> float:
-    table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-             9: 2.262, 10: 2.228}  # fmt: skip
-    return table.get(df, 1.96 + 2.5 / df)
+def estimate(groups: list[Group], out: Path, empty_cache: bool) -> dict[str, dict[str, Any]]:
+    """Per group: the runs left and their minutes (runs, step-0 rounds, the builds of
+    the models they need that are not cached, or all of them with `empty_cache`)."""
+    todo = [r for r in runs(groups) if not (out / f"{r[0]}.json").is_file()]
+    built: set[Path] = set()
+    est: dict[str, dict[str, Any]] = {}
+    for name, group, mode, seed in todo:
+        e = est.setdefault(group.name, {"runs": [], "run": 0.0, "step0": 0.0, "build": 0.0,
+                                        "builds": 0, "seeds": set()})  # fmt: skip
+        e["runs"].append(name)
+        e["run"] += group.minutes
+        if group.step0_minutes and mode == group.modes[0]:
+            e["step0"] += group.step0_minutes
+        if seed in e["seeds"]:
+            continue
+        e["seeds"].add(seed)
+        for folder, minutes, cached in models_needed(group, mode, seed):
+            if folder not in built and (empty_cache or not cached):
+                built.add(folder)
+                e["build"] += minutes
+                e["builds"] += 1
+    return est
 
 
-def summarize() -> dict:
-    results = [
-        json.loads(p.read_text())
-        for p in sorted(OUT.glob("*.json"))
-        if p.name != "study_summary.json"
-    ]
-    out: dict = {"groups": {}}
-    for group in sorted({r["group"] for r in results}):
-        mine = [r for r in results if r["group"] == group]
-        keys = sorted({k for r in mine for k in r["final"] if k.startswith(("val/avg@", "val/pass@"))
-                       and k.count("/") == 1})  # fmt: skip
-        modes = {}
-        for mode in sorted({r["mode"] for r in mine}):
-            rs = [r for r in mine if r["mode"] == mode]
-            modes[mode] = {k: mean_ci([r["final"][k] for r in rs if k in r["final"]]) for k in keys}
-            modes[mode]["seeds"] = sorted(r["seed"] for r in rs)
-            modes[mode]["wall_s"] = mean_ci([r["wall_s"] for r in rs])
-            modes[mode]["spikes"] = _spikes(rs)
-        by = {(r["mode"], r["seed"]): r for r in mine}
-        seeds = sorted(s for (m, s) in by if m == "agent" and ("global", s) in by)
-        paired = {}
-        for k in keys:
-            paired[k] = _significant(mean_ci(
-                [by[("agent", s)]["final"][k] - by[("global", s)]["final"][k] for s in seeds]))  # fmt: skip
-        # gradient spikes: agent / global ratio of each model's largest pre-clip norm, as a
-        # paired mean of log ratios over seeds (exp of the mean and of its interval)
-        for unit in sorted({u for r in mine for u in r["spikes"] if u.startswith("model ")}):
-            logs = [math.log(by[("agent", s)]["spikes"][unit]["max"]
-                             / by[("global", s)]["spikes"][unit]["max"]) for s in seeds
-                    if unit in by[("agent", s)]["spikes"] and unit in by[("global", s)]["spikes"]]  # fmt: skip
-            ci = _significant(mean_ci(logs))
-            paired[f"max_grad_norm_ratio/{unit[6:]}"] = {
-                k: (math.exp(v) if isinstance(v, float) and k in ("mean", "lo", "hi") else v)
-                for k, v in ci.items()
-            }
-        step0 = {str(r["seed"]): r["validation"][0] for r in mine
-                 if r["validation"] and r["validation"][0]["step"] == 0}  # fmt: skip
-        out["groups"][group] = {
-            "modes": modes,
-            "agent_minus_global": paired,
-            "paired_seeds": seeds,
-            "step0": step0,
-            "step0_mean": {k: mean_ci([v[k] for v in step0.values() if k in v]) for k in keys},
-        }
-    (OUT / "study_summary.json").write_text(json.dumps(out, indent=2))
-    (OUT / "study_summary.md").write_text(markdown(out))
-    return out
+def dry_run(groups: list[Group], out: Path, empty_cache: bool) -> None:
+    """The plan of each half with runs left, as a markdown table, against the budget."""
+    est = estimate(groups, out, empty_cache)
+    cache = "an empty cache" if empty_cache else "the models this machine's cache holds"
+    print(f"Minutes estimated from the recorded runs on this 2-core machine (one run's time "
+          f"varies up to 2x with its load), with {cache}.\n")  # fmt: skip
+    for half in ("team", "role"):
+        mine = [g for g in groups if g.half == half]
+        left = [(g, est[g.name]) for g in mine if g.name in est]
+        print(f"{half}-reward half: {sum(len(e['runs']) for _, e in left)} of "
+              f"{len(runs(mine))} runs left\n")  # fmt: skip
+        if not left:
+            continue
+        print("| group | seeds | steps | warm starts the seed varies | runs | minutes: runs "
+              "| step-0 rounds | builds | total |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+        for g, e in left:
+            total = e["run"] + e["step0"] + e["build"]
+            steps = next((o.split("=")[1] for o in g.overrides if o.startswith("train.steps=")), "")
+            print(f"| `{g.name}` | {len(e['seeds'])} | {steps} | {', '.join(g.models)} "
+                  f"| {len(e['runs'])} | {e['run']:.0f} | {e['step0']:.0f} "
+                  f"| {e['build']:.0f} ({e['builds']} models) | {total:.0f} |")  # fmt: skip
+        total = sum(e["run"] + e["step0"] + e["build"] for _, e in left)
+        spare = BUDGET_MINUTES - total
+        verdict = f"{spare:.0f} min to spare" if spare >= 0 else f"over by {-spare:.0f} min"
+        print(f"\nabout {total:.0f} min against the budget of {BUDGET_MINUTES:.0f}: {verdict}")
+        for g, e in left:
+            per_seed = (e["run"] + e["step0"] + e["build"]) / len(e["seeds"])
+            per_step = len(e["runs"]) * g.step_seconds / 60
+            print(f"- {g.name}: one seed fewer saves about {per_seed:.0f} min, one training step "
+                  f"fewer {per_step:.1f}, no step-0 rounds {e['step0']:.0f}; cuts made: "
+                  f"{g.cuts or 'none'}")  # fmt: skip
+        print("\nruns: " + " ".join(n for _, e in left for n in e["runs"]) + "\n")
 
 
-def _ci(c: dict, digits: int = 3) -> str:
-    if c.get("mean") is None:
-        return "-"
-    if c.get("lo") is None:
-        return f"{c['mean']:.{digits}f} (1 seed)"
-    return f"{c['mean']:.{digits}f} [{c['lo']:.{digits}f}, {c['hi']:.{digits}f}]"
+# ------------------------------------------------------------------ summary and tables
 
 
-def markdown(summary: dict) -> str:
-    """The study's tables: per group, each mode's final validation (mean [95 % CI] over
-    seeds) and gradient statistics, then agent - global paired over seeds."""
-    lines = []
-    for group, g in summary["groups"].items():
-        keys = sorted(k for k in g["step0_mean"] if k != "val/pass@1")
-        lines += [f"### {group}", "", "| mode | seeds | " + " | ".join(f"final {k[4:]}" for k in keys)
-                  + " | max / median pre-clip grad norm | spikes |",
-                  "|---|---|" + "---|" * len(keys) + "---|---|"]  # fmt: skip
-        if g["step0"]:
-            lines.append("| step 0 (before RL) | " + ",".join(sorted(g["step0"])) + " | "
-                         + " | ".join(_ci(g["step0_mean"][k]) for k in keys) + " | | |")  # fmt: skip
-        for mode, m in g["modes"].items():
-            grads = ", ".join(
-                f"{u} {v['max']:.2f}/{v['median']:.2f}" for u, v in m["spikes"].items()
-            )
-            spikes = sum(v["spikes"] for v in m["spikes"].values())
-            lines.append(f"| {mode} | {len(m['seeds'])} | " + " | ".join(_ci(m[k]) for k in keys)
-                         + f" | {grads} | {spikes} |")  # fmt: skip
-        paired = g["agent_minus_global"]
-        if g["paired_seeds"]:
-            lines += [
-                "",
-                f"agent − global, paired over seeds {g['paired_seeds']} (95 % t-interval):",
-                "",
-            ]
-            for k, c in paired.items():
-                if k == "val/pass@1":
-                    continue
-                what = "×" if k.startswith("max_grad") else ""
-                verdict = "significant" if c["significant"] else "not significant"
-                lines.append(f"- {k}: {_ci(c)}{what} ({verdict})")
-        lines.append("")
-    return "\n".join(lines) + "\n"
+def summarize_all(out: Path) -> dict[str, Any]:
+    results = load_results(out)
+    lines = {r["name"]: _lines(out, r["name"]) for r in results}
+    refs = {g.name: g.reference for g in PLAN if g.reference}
+    summary = summarize(results, refs, lines)
+    for g in summary["groups"].values():
+        span, prov = g["provenance"]["time_span_s"], g["provenance"]
+        if span and prov["not_recorded"]:
+            since, until = (datetime.fromtimestamp(t, timezone.utc).isoformat() for t in span)
+            count = _git(REPO, "rev-list", "--count", f"--since={since}", f"--until={until}",
+                         "HEAD", "--", "drmas/")  # fmt: skip
+            prov["commits_in_span"] = int(count.stdout) if count.returncode == 0 else None
+    (out / "study_summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "study_summary.md").write_text(markdown(summary))
+    return summary
 
 
-def _significant(ci: dict) -> dict:
-    lo, hi = ci["lo"], ci["hi"]
-    return {**ci, "significant": lo is not None and hi is not None and (lo > 0 or hi < 0)}
+def _lines(out: Path, name: str) -> list[dict[str, Any]]:
+    path = out / "run_files" / name / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def _spikes(runs: list[dict]) -> dict:
-    """Per model, over the seeds of one mode: mean largest and median pre-clip gradient
-    norm, total spike steps (> 3x the median of the 10 before) and non-finite skips."""
-    out = {}
-    for unit in sorted({u for r in runs for u in r["spikes"] if u.startswith("model ")}):
-        stats = [r["spikes"][unit] for r in runs if unit in r["spikes"]]
-        out[unit[6:]] = {
-            "max": statistics.fmean(s["max"] for s in stats),
-            "median": statistics.fmean(s["median"] for s in stats),
-            "max_over_median": statistics.fmean(
-                s["max"] / s["median"] for s in stats if s["median"]
-            ),
-            "spikes": sum(s["spikes"] for s in stats),
-            "skipped_nonfinite": sum(s.get("skipped_nonfinite", 0) for s in stats),
-        }
-    return out
+def markdown(summary: dict[str, Any]) -> str:
+    """Every table of docs/results.md's study part, each group's numbers, then the
+    one-seed pairs, the probe and the paper side by side."""
+    lines = ["# The advantage-mode study, from its recorded runs", "",
+             "Written by `python benchmarks/study_advantage_modes.py --summarize` from the "
+             "recorded runs beside this file; docs/results.md shows these tables.", ""]  # fmt: skip
+    plan = {g.name: g for g in PLAN}
+    for half, title in (("team", "Team rewards"), ("role", "Role rewards (workflow.rewards=role)")):
+        names = [n for n, g in plan.items() if g.half == half and n in summary["groups"]]
+        lines += [f"## {title}", ""]
+        if not names:
+            lines += ["No run recorded yet (`--dry-run` shows the plan).", ""]
+        for name in names:
+            lines += _group_section(name, summary["groups"][name], plan[name])
+    for name in sorted(set(summary["groups"]) - set(plan)):
+        lines += _group_section(name, summary["groups"][name], None)
+    lines += ["## The one-seed pairs", "", *one_seed_table(summary, ONE_SEED), ""]
+    lines += ["## `drmas probe` on each team", "", *probe_table(PROBE, PROBE_FILES), ""]
+    lines += ["## Side by side with the paper", "", *paper_table(summary, PAPER_ROWS), ""]
+    return "\n".join(lines)
 
 
-def plots(out_dir: Path) -> list[Path]:
-    """The study's figures: per group, the paired final avg@k of each seed (agent against
-    global), and each model's pre-clip gradient norm over steps (Dr. MAS blue, GRPO
-    orange, one thin line per seed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results = [json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))
-               if p.name != "study_summary.json"]  # fmt: skip
-    colors = {"agent": "tab:blue", "global": "tab:orange"}
-    written = []
-
-    def paired_seeds(group: str) -> int:
-        modes = [{r["seed"] for r in results if r["group"] == group and r["mode"] == m}
-                 for m in ("agent", "global")]  # fmt: skip
-        return len(modes[0] & modes[1])
-
-    groups = sorted({r["group"] for r in results if paired_seeds(r["group"]) >= 2})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.4), squeeze=False)
-    for ax, group in zip(axes[0], groups):
-        by = {(r["mode"], r["seed"]): r for r in results if r["group"] == group}
-        key = next(k for k in by[next(iter(by))]["final"] if k.startswith("val/avg@"))
-        seeds = sorted(s for m, s in by if m == "agent" and ("global", s) in by)
-        for s in seeds:
-            a, g = by[("agent", s)]["final"][key], by[("global", s)]["final"][key]
-            ax.plot([0, 1], [g, a], color="grey", lw=1)
-            ax.scatter([0], [g], color=colors["global"], zorder=3)
-            ax.scatter([1], [a], color=colors["agent"], zorder=3)
-        ax.set_xticks([0, 1], ["GRPO (global)", "Dr. MAS (agent)"])
-        ax.set_xlim(-0.4, 1.4)
-        ax.set_title(f"{group}: final {key[4:]} per seed")
-        ax.set_ylabel(f"held-out {key[4:]}")
-    fig.tight_layout()
-    written.append(out_dir / "results_paired.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-    for group in groups:
-        runs = [r for r in results if r["group"] == group and r["mode"] in colors]
-        models = sorted({k.split("/", 1)[1] for r in runs for line in _steps(r) for k in line
-                         if k.startswith("grad_norm/")})  # fmt: skip
-        fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.2), squeeze=False)
-        for ax, model in zip(axes[0], models):
-            for r in runs:
-                lines = _steps(r)
-                xs = [x["step"] for x in lines if f"grad_norm/{model}" in x]
-                ys = [x[f"grad_norm/{model}"] for x in lines if f"grad_norm/{model}" in x]
-                ax.plot(xs, ys, color=colors[r["mode"]], lw=1, alpha=0.7)
-            ax.set_yscale("log")
-            ax.set_title(f"grad_norm/{model}")
-            ax.set_xlabel("step")
-            ax.set_ylabel("pre-clip grad norm (log)")
-        handles = [plt.Line2D([], [], color=c, label=f"{m} ({len({r['seed'] for r in runs if r['mode'] == m})} seeds)") for m, c in colors.items()]  # fmt: skip
-        fig.legend(handles=handles, loc="lower center", ncol=2)
-        fig.suptitle(f"{group}: gradient norm per model, Dr. MAS (agent) and GRPO (global)")
-        fig.tight_layout(rect=(0, 0.08, 1, 1))
-        written.append(out_dir / f"results_{group}_grad_norm.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    return written
+def _group_section(name: str, g: dict[str, Any], group: Group | None) -> list[str]:
+    table = "main" if group is None else group.table
+    rows = ablation_table(g) if table == "ablation" else main_table(g, group.note if group else "")
+    seeds = per_seed_line(g)
+    return [f"### {name}", "", *rows, "", *([f"({seeds}.)", ""] if seeds else []),
+            *facts(name, g), ""]  # fmt: skip
 
 
-def _steps(result: dict) -> list[dict]:
-    """The training lines of a study run (from its kept metrics.jsonl)."""
-    path = OUT / "run_files" / result["name"] / "metrics.jsonl"
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return [x for x in lines if "val/tasks" not in x]
+def page_tables(summary: dict[str, Any]) -> list[str]:
+    """The rows of the tables docs/results.md shows: each `main` group's table (the
+    others are quoted in its text), the ablations, the one-seed pairs, the probe and the
+    paper side by side."""
+    rows = []
+    for group in PLAN:
+        g = summary["groups"].get(group.name)
+        if g and group.table == "main":
+            rows += main_table(g, group.note)
+        elif g and group.table == "ablation":
+            rows += ablation_table(g)
+    rows += one_seed_table(summary, ONE_SEED) + probe_table(PROBE, PROBE_FILES)
+    return rows + paper_table(summary, PAPER_ROWS)
+
+
+def compare(page: Path, summary: dict[str, Any]) -> list[str]:
+    """The rows of the page's tables (page_tables; not the separators) that `page` does
+    not show verbatim."""
+    shown = {line.strip() for line in page.read_text().splitlines()}
+    rows = [x.strip() for x in page_tables(summary) if not x.startswith("|---")]
+    return [row for row in rows if row not in shown]
 
 
 def main() -> int:
-    global OUT
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", help="groups to run (default: all)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time")
-    p.add_argument("--summarize", action="store_true", help="only rewrite study_summary.json")
+    p.add_argument("--empty-cache", action="store_true", help="--dry-run: count every build")
+    p.add_argument("--summarize", action="store_true", help="only rewrite the study's summary")
+    p.add_argument("--compare", default="", help="a page whose table rows to check (then exit)")
     p.add_argument("--plots", default="", help="write the study's figures into this folder")
     p.add_argument("--smoke", action="store_true", help="two tiny runs per mode instead")
+    p.add_argument("--allow-dirty", action="store_true", help="run on a tree with changes")
     p.add_argument("--out", default=str(OUT), help="results folder")
     args = p.parse_args()
-    OUT = Path(args.out)
-    plan = (SMOKE,) if args.smoke else PLAN
-    groups = [g for g in plan if not args.only or g.name in args.only]
+    out = Path(args.out).resolve()
+    groups = [g for g in ((SMOKE,) if args.smoke else PLAN) if not args.only or g.name in args.only]
     if args.plots:
-        for path in plots(Path(args.plots)):
+        from study_plots import plots
+
+        for path in plots(out, Path(args.plots)):
             print(path)
         return 0
-    if args.summarize:
-        print(json.dumps(summarize(), indent=2))
-        return 0
-    todo = runs(groups)
+    if args.summarize or args.compare:
+        summary = summarize_all(out)
+        if not args.compare:
+            print((out / "study_summary.md").read_text())
+            return 0
+        missing = compare(Path(args.compare), summary)
+        for row in missing:
+            print(f"not on the page: {row}")
+        print(f"{len(missing)} table rows of the summary are not on {args.compare}")
+        return 1 if missing else 0
     if args.dry_run:
-        left = [r for r in todo if not (OUT / f"{r[0]}.json").is_file()]
-        minutes = sum(g.minutes for _, g, _, _ in left)
-        minutes += sum(g.build_minutes * len(g.seeds) for g in groups)
-        print(f"{len(left)} of {len(todo)} runs left, about {minutes:.0f} min with builds:")
-        for name, *_ in left:
-            print(" ", name)
+        dry_run(groups, out, args.empty_cache)
         return 0
-    for name, group, mode, seed in todo:
-        run_one(name, group, mode, seed)
-    summarize()
-    return 0
+    state = git_state(REPO)
+    if state["dirty"] and not (args.allow_dirty or args.smoke):
+        print(f"{REPO} has changes ({', '.join(state['dirty_paths'][:5])}): the runs would not "
+              "match a commit. Commit them, or run from a clean worktree (see --help), or pass "
+              "--allow-dirty (recorded in each run)", file=sys.stderr)  # fmt: skip
+        return 2
+    ok = [run_one(out, *r) for r in runs(groups)]
+    summarize_all(out)
+    return 0 if all(ok) else 1
 
 
 if __name__ == "__main__":

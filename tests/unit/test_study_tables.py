@@ -1,0 +1,153 @@
+"""The advantage-mode study's statistics and tables (benchmarks/study_*.py), checked
+against values worked out by hand, on synthetic runs and on the recorded ones."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import study_stats  # noqa: E402
+import study_summary  # noqa: E402
+import study_tables  # noqa: E402
+
+STUDY = ROOT / "benchmarks" / "results" / "study"
+
+
+def test_t_quantiles_are_the_textbook_ones() -> None:
+    assert study_stats.t_quantile(4) == pytest.approx(2.776445, abs=1e-6)
+    assert study_stats.t_quantile(2) == pytest.approx(4.302653, abs=1e-6)
+    with pytest.raises(ValueError, match="at least 2 values"):
+        study_stats.t_quantile(0)
+
+
+def test_mean_ci_by_hand() -> None:
+    c = study_stats.mean_ci([1.0, 2.0, 3.0])  # mean 2, sd 1, half 4.302653 / sqrt(3)
+    assert c["mean"] == 2.0 and c["sd"] == 1.0
+    assert c["lo"] == pytest.approx(2 - 2.484138, abs=1e-6)
+    assert c["hi"] == pytest.approx(2 + 2.484138, abs=1e-6)
+    assert study_stats.mean_ci([0.5]) == {"n": 1, "mean": 0.5, "sd": None, "lo": None, "hi": None}
+
+
+def test_sign_test_four_wins_and_a_tie_is_p_0125() -> None:
+    # the search team's Answer Agent: spikes per seed, agent vs global
+    s = study_stats.sign_test([5, 2, 4, 1, 4], [2, 1, 1, 0, 4])
+    assert (s["more"], s["fewer"], s["ties"]) == (4, 0, 1)
+    assert s["p"] == pytest.approx(2 / 2**4)
+    assert study_stats.sign_test([1, 1], [1, 1])["p"] == 1.0
+
+
+def test_ratio_relative_and_seeds_needed() -> None:
+    r = study_stats.ratio_ci([2.0, 8.0], [1.0, 2.0])  # log ratios ln 2, ln 4
+    assert r["mean"] == pytest.approx(2**1.5)
+    rel = study_stats.relative({"mean": 0.02, "lo": -0.05, "hi": 0.09}, 0.5)
+    assert rel == pytest.approx({"mean": 4.0, "lo": -10.0, "hi": 18.0})
+    # t(n-1)/sqrt(n) < 1 first at n = 7 (2.447/2.646; n = 6 gives 2.571/2.449 > 1)
+    assert study_stats.seeds_needed(1.0, 1.0) == 7
+
+
+def _run(group: str, mode: str, seed: int, avg: float, spikes: int) -> dict:
+    grad = {"max": 1.0 + spikes, "median": 0.5, "spikes": spikes, "skipped_nonfinite": 0}
+    return {
+        "name": f"{group}_{mode}_s{seed}", "group": group, "mode": mode, "seed": seed,
+        "wall_s": 60.0, "validation": [{"step": 20, "val/avg@8": avg}],
+        "final": {"val/avg@8": avg, "val/pass@8": 0.9}, "spikes": {"model solver": grad},
+    }  # fmt: skip
+
+
+def test_main_table_on_synthetic_runs() -> None:
+    # agent 0.5/0.6/0.7, global 0.4/0.6/0.5: differences 0.1, 0, 0.2 -> mean 0.1, sd 0.1,
+    # half-width 4.302653 * 0.1 / sqrt(3) = 0.248414; GRPO's mean 0.5 -> +20 % [-29.7, +69.7]
+    results = [_run("g", "agent", s, a, 2) for s, a in enumerate((0.5, 0.6, 0.7))]
+    results += [_run("g", "global", s, a, 1 if s else 2) for s, a in enumerate((0.4, 0.6, 0.5))]
+    g = study_summary.summarize(results, {}, {})["groups"]["g"]
+    rows = study_tables.main_table(g)
+    assert rows[2] == "| Dr. MAS (`agent`) | 3 | 0.600 [0.352, 0.848] | 0.900 [0.900, 0.900] |"
+    assert rows[4] == (
+        "| **agent − global, paired** | 3 | **+0.100 [−0.148, +0.348]** | 0.000 [0.000, 0.000] |"
+    )
+    pair = g["paired"][0]["metrics"]["val/avg@8"]
+    assert study_tables.pct_text(pair["relative_pct"]) == "+20.0 % [−29.7 %, +69.7 %]"
+    signs = g["spikes_agent_vs_global"]["solver"]
+    assert (signs["more"], signs["ties"]) == (2, 1)
+    assert (
+        study_tables.per_seed_line(g)
+        == "per seed, agent/global avg@8: 0.500/0.400, 0.600/0.600, 0.700/0.500"
+    )
+
+
+def test_ablation_pairs_with_its_reference_group() -> None:
+    results = [_run("m", mode, s, 0.5 + 0.1 * s, 0) for mode in ("agent", "global") for s in (0, 1)]
+    results += [_run("abl", "agent_std", s, 0.55 + 0.1 * s, 3) for s in (0, 1)]
+    g = study_summary.summarize(results, {"abl": "m"}, {})["groups"]["abl"]
+    rows = study_tables.ablation_table(g)
+    # differences +0.05 at both seeds: sd 0, the interval is the point; the mode's own
+    # 0.55/0.65: sd 0.0707, half-width 12.7062 * 0.0707 / sqrt(2) = 0.635
+    assert rows[2] == (
+        "| `agent_std` | 2 | 0.600 [−0.035, 1.235] | +0.050 [+0.050, +0.050] "
+        "| +0.050 [+0.050, +0.050] | 4.00 / 0.50 | 6 |"
+    )
+    assert g["reference_means"]["agent"]["val/avg@8"] == pytest.approx(0.55)
+
+
+def test_recorded_search_pair_matches_an_independent_computation() -> None:
+    """The recorded search runs: the summary's relative difference is the paired mean
+    over GRPO's mean, from the unrounded finals (+3.49 %, not the +3.6 % of rounded means)."""
+    finals = {
+        (m, s): json.loads((STUDY / f"search_{m}_s{s}.json").read_text())["final"]["val/avg@8"]
+        for m in ("agent", "global")
+        for s in range(5)
+    }
+    diff = sum(finals[("agent", s)] - finals[("global", s)] for s in range(5)) / 5
+    base = sum(finals[("global", s)] for s in range(5)) / 5
+    results = study_summary.load_results(STUDY)
+    g = study_summary.summarize([r for r in results if r["group"] == "search"], {}, {})
+    pair = g["groups"]["search"]["paired"][0]["metrics"]["val/avg@8"]
+    assert pair["relative_pct"]["mean"] == pytest.approx(100 * diff / base)
+    assert round(pair["relative_pct"]["mean"], 2) == 3.49
+    assert not math.isclose(pair["relative_pct"]["mean"], 3.6, abs_tol=0.05)
+
+
+def test_provenance_git_state_and_relative_paths(tmp_path: Path) -> None:
+    """A run records HEAD and whether the tree has changes outside benchmarks/results/
+    (the study's own output), and the run's files name the repository's paths relative
+    to it."""
+    import subprocess
+
+    import study_advantage_modes as study
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    state = study.git_state(tmp_path)
+    assert len(state["commit"]) == 40 and state["dirty"] is False
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "run.json").write_text("{}")
+    assert study.git_state(tmp_path)["dirty"] is False  # the study's output does not count
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert study.git_state(tmp_path) | {"commit": None} == {
+        "commit": None, "dirty": True, "dirty_paths": ["code.py"]
+    }  # fmt: skip
+    # results written into a folder that does not exist yet: the repository above it
+    assert study.results_root(tmp_path / "not" / "yet").resolve() == tmp_path.resolve()
+    assert study.relative(tmp_path / "a" / "b", tmp_path) == "a/b"
+    assert study.relative(Path("/elsewhere/x"), tmp_path) == "/elsewhere/x"
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(f"run:\n  dir: {tmp_path.resolve()}/runs/r\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    study.copy_run_files(run, tmp_path / "kept", (tmp_path,))
+    assert (tmp_path / "kept" / "config.yaml").read_text() == "run:\n  dir: runs/r\n"
+    assert (tmp_path / "kept" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert not (tmp_path / "kept" / "train_summary.json").exists()
