@@ -22,6 +22,7 @@ def check(cfg: DrmasConfig) -> DrmasConfig:
     _check_models(cfg)
     _check_counts(cfg)
     _check_probe(cfg)
+    _check_one_distribution(cfg)
     return dataclasses.replace(cfg, models=used)
 
 
@@ -107,3 +108,19 @@ def _check_probe(cfg: DrmasConfig) -> None:
             raise ConfigError(f"probe.rewards.{agent} must be [mean, std >= 0], got {[mean, std]}")
     if p.group_size == 1:
         raise ConfigError("probe.group_size must be 0 (the run's group_size) or >= 2")
+
+
+def _check_one_distribution(cfg: DrmasConfig) -> None:
+    """Training samples must come from the distribution the learner scores them under."""
+    top_p = cfg.sampling.top_p
+    if top_p < 1:
+        raise ConfigError(
+            f"sampling.top_p={top_p} < 1 is refused for training: the learner scores every "
+            "token under the full tempered distribution softmax(logits / T), while a nucleus "
+            "changes what the actors sample from and the engines disagree on the log-prob "
+            "they report (vLLM renormalises over the nucleus, hf and SGLang give the one "
+            "before the cut), so the behaviour log-probs, the importance weights and the "
+            "policy gradient would not match the policy sampled. Set sampling.top_p=1 "
+            "(lower sampling.temperature to sample more narrowly); validation keeps its own "
+            "val.top_p"
+        )

@@ -32,7 +32,9 @@ from drmas.protocol.messages import BatchShard, Sample
 from drmas.transports.ports import free_port
 
 TEMPERATURE = 0.7
-TOP_P = 0.9  # the behaviour log-prob is the one before the nucleus cut, as the learner's
+# The engine samples in a nucleus (as validation may) and still reports the log-prob before
+# the cut, the learner's; training itself refuses sampling.top_p < 1 (config rules).
+TOP_P = 0.9
 PROMPTS = [
     "Solve.\nQuestion: 3+4\nSolver:",
     "Check.\nQuestion: 12-19\nSolver: \\boxed{-7}\nVerifier:",
@@ -94,7 +96,6 @@ def test_learner_pi_old_equals_the_actors_behaviour_logprobs(model_path: Path, p
             "models.policy.precision=fp32",
             "algorithm.max_staleness=0",
             f"sampling.temperature={TEMPERATURE}",
-            f"sampling.top_p={TOP_P}",
             f"learner.pack={str(pack).lower()}",
         ]
     )

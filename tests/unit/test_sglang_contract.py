@@ -237,6 +237,48 @@ def test_generate_body_fits_generate_req_input_and_sampling_params() -> None:
     assert params["temperature"] == 0.7 and params["top_p"] == 0.9
 
 
+# SamplingParams fields SGLang sets itself (__post_init__, normalize), not request input.
+SAMPLING_INTERNAL = {
+    "stop_strs", "stop_regex_strs", "stop_str_max_len", "stop_regex_max_len", "is_normalized",
+    "ebnf_full_assistant",
+}  # fmt: skip
+PER_REQUEST = {"temperature", "top_p", "max_new_tokens", "stop", "no_stop_trim"}
+
+
+def _sampling_defaults() -> dict[str, ast.expr]:
+    node = _classes("sampling_params.py.txt")["SamplingParams"]
+    return {
+        stmt.target.id: stmt.value
+        for stmt in node.body
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value
+    }
+
+
+def test_generate_body_sends_every_sampling_field() -> None:
+    """A field left out would take a server default (--preferred-sampling-params, the
+    model's generation config) and change the distribution the engine samples from."""
+    api = set(fields("SamplingParams", "sampling_params.py.txt")) - SAMPLING_INTERNAL
+    for body in (sq.generate_body(REQUEST), sq.generate_body(REQUEST, "solver-v3-5")):
+        assert set(body["sampling_params"]) == api
+    assert set(sq.NEUTRAL_SAMPLING) == api - PER_REQUEST
+
+
+def test_pinned_sampling_fields_are_sglangs_own_defaults() -> None:
+    """Each pinned field is the value SGLang itself defaults to, i.e. its feature off; top_k
+    is sent as -1, which SamplingParams.__post_init__ turns into its default TOP_K_ALL
+    (the whole vocabulary)."""
+    defaults = _sampling_defaults()
+    for key, value in sq.NEUTRAL_SAMPLING.items():
+        if key == "top_k":
+            assert value == -1 and ast.unparse(defaults[key]) == "TOP_K_ALL"
+            continue
+        assert ast.literal_eval(defaults[key]) == value, key
+    assert (
+        "if self.top_k == -1:\n            self.top_k = TOP_K_ALL"
+        in (DATA / "sampling_params.py.txt").read_text()
+    )
+
+
 def test_every_pause_mode_has_an_sglang_mode() -> None:
     assert set(sq.PAUSE_MODES) == set(get_args(PauseMode))
 

@@ -5,6 +5,15 @@ Who talks to whom: the engine (sglang.py) and the server manager (sglang_server.
 matches one SGLang request type (io_struct.py); tests/unit/test_sglang_contract.py checks
 every key and value type against the vendored definitions. Every HTTP call has a timeout;
 errors name the route and say what to check.
+
+One distribution: /generate names every API field of SGLang's SamplingParams (0.5.23). A
+field a request leaves out takes a server default: `--preferred-sampling-params`, merged
+under the request's own keys, and with `--sampling-defaults model` (the default) the
+model's generation_config.json (many chat models ship top_k 20, repetition_penalty 1.05,
+...; which routes apply it depends on the SGLang version). Any of those would change what
+the engine samples from, while the learner scores every token under softmax(logits / T)
+alone; so every field is sent, at SGLang's own neutral value where GenerateRequest does
+not set it, and no server default is left to apply.
 """
 
 from __future__ import annotations
@@ -25,12 +34,42 @@ PAUSE_MODES: dict[PauseMode, str] = {"keep": "retract", "abort": "abort"}
 
 
 # ------------------------------------------------------------------ request bodies
+NEUTRAL_SAMPLING: dict[str, Any] = {
+    "top_k": -1,  # the whole vocabulary (SGLang maps -1 to TOP_K_ALL)
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,  # 1 = no penalty
+    "min_new_tokens": 0,  # > 0 would mask EOS and the stop tokens for a while
+    "n": 1,
+    "beam_width": None,  # None = sampling, not beam search
+    "json_schema": None,  # no grammar constrains the tokens
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "custom_params": None,  # nothing for a custom logit processor
+    "sampling_seed": None,  # a fixed seed would draw the same sample for a group's prompts
+    "watermark": None,  # no watermark bias on the logits
+    "ignore_eos": False,
+    "stop_token_ids": None,  # ends only at EOS and our stop strings
+    "stop_regex": None,
+    "skip_special_tokens": True,  # text only (we read token ids)
+    "spaces_between_special_tokens": True,
+    "stream_interval": None,  # streaming only (we do not stream)
+}
+"""Every SamplingParams field the request does not set from GenerateRequest, at SGLang's
+neutral value (why: module docstring). The contract test checks that these and the five
+set per request cover every API field of the vendored SamplingParams."""
+
+
 def generate_body(request: GenerateRequest, lora_name: str | None = None) -> dict[str, Any]:
     """POST /generate -> GenerateReqInput (sampling_params -> SamplingParams); `lora_name`:
     the loaded LoRA adapter to generate with (GenerateReqInput.lora_path takes its name)."""
     body: dict[str, Any] = {
         "input_ids": list(request.prompt_ids),
         "sampling_params": {
+            **NEUTRAL_SAMPLING,
             "temperature": float(request.temperature),
             "top_p": float(request.top_p),
             "max_new_tokens": int(request.max_new_tokens),
