@@ -23,6 +23,7 @@ def check(cfg: DrmasConfig) -> DrmasConfig:
     _check_counts(cfg)
     _check_probe(cfg)
     _check_one_distribution(cfg)
+    _check_batch_scope(cfg)
     return dataclasses.replace(cfg, models=used)
 
 
@@ -123,4 +124,21 @@ def _check_one_distribution(cfg: DrmasConfig) -> None:
             "policy gradient would not match the policy sampled. Set sampling.top_p=1 "
             "(lower sampling.temperature to sample more narrowly); validation keeps its own "
             "val.top_p"
+        )
+
+
+def _check_batch_scope(cfg: DrmasConfig) -> None:
+    """scope=batch pools over one model's batch, so it needs one model (docs/algorithm.md,
+    "Advantages")."""
+    models = sorted({a.model for a in cfg.agents.values()})
+    if cfg.algorithm.advantage.scope == "batch" and len(models) > 1:
+        raise ConfigError(
+            "algorithm.advantage.scope=batch pools the statistics over the groups of one "
+            f"model's training batch, and the agents here train {len(models)} models "
+            f"{models}: each model's batches hold different groups (a group in which none of "
+            "a model's agents acted has no slice for it; staleness drops differ per model), "
+            "so the pooled statistics would depend on which model serves which agent. Use "
+            "scope=group (the default, exact for any assignment), or serve every agent from "
+            "one model (agents.<name>.model the same; models.<m>.lora.rank > 0 for "
+            "separate adapters on one base)"
         )
