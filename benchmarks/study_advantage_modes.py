@@ -372,7 +372,7 @@ def dry_run(groups: list[Group], out: Path, empty_cache: bool) -> None:
 
 def summarize_all(out: Path) -> dict[str, Any]:
     results = load_results(out)
-    lines = {r["name"]: _lines(out, r["name"]) for r in results}
+    lines = {r["name"]: metrics_lines(out, r["name"]) for r in results}
     refs = {g.name: g.reference for g in PLAN if g.reference}
     summary = summarize(results, refs, lines)
     for g in summary["groups"].values():
@@ -387,7 +387,7 @@ def summarize_all(out: Path) -> dict[str, Any]:
     return summary
 
 
-def _lines(out: Path, name: str) -> list[dict[str, Any]]:
+def metrics_lines(out: Path, name: str) -> list[dict[str, Any]]:
     path = out / "run_files" / name / "metrics.jsonl"
     if not path.is_file():
         return []

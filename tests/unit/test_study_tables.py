@@ -151,3 +151,17 @@ def test_provenance_git_state_and_relative_paths(tmp_path: Path) -> None:
     assert (tmp_path / "kept" / "config.yaml").read_text() == "run:\n  dir: runs/r\n"
     assert (tmp_path / "kept" / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert not (tmp_path / "kept" / "train_summary.json").exists()
+
+
+def test_the_page_shows_the_tables_the_script_writes() -> None:
+    """Every row of docs/results.md's study tables is what the script writes from the
+    recorded runs (and the probe's recorded JSONs). If this fails after new runs or a new
+    probe measurement: python benchmarks/study_advantage_modes.py --summarize, then copy
+    the rows of study_summary.md into the page (--compare docs/results.md lists them)."""
+    import study_advantage_modes as study
+
+    results = study_summary.load_results(STUDY)
+    lines = {r["name"]: study.metrics_lines(STUDY, r["name"]) for r in results}
+    refs = {g.name: g.reference for g in study.PLAN if g.reference}
+    summary = study_summary.summarize(results, refs, lines)
+    assert study.compare(ROOT / "docs" / "results.md", summary) == []
