@@ -388,6 +388,8 @@ def summarize_all(out: Path) -> dict[str, Any]:
 
 
 def metrics_lines(out: Path, name: str) -> list[dict[str, Any]]:
+    """A run's kept metrics lines (training and validation; none if not kept), for its
+    steps per agent and the time span its provenance reports."""
     path = out / "run_files" / name / "metrics.jsonl"
     if not path.is_file():
         return []
