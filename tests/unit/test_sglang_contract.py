@@ -258,9 +258,14 @@ def test_generate_body_sends_every_sampling_field() -> None:
     """A field left out would take a server default (--preferred-sampling-params, the
     model's generation config) and change the distribution the engine samples from."""
     api = set(fields("SamplingParams", "sampling_params.py.txt")) - SAMPLING_INTERNAL
+    defaults = _sampling_defaults()
+    none_by_default = {
+        k for k in api - PER_REQUEST if k in defaults and ast.unparse(defaults[k]) == "None"
+    }
     for body in (sq.generate_body(REQUEST), sq.generate_body(REQUEST, "solver-v3-5")):
-        assert set(body["sampling_params"]) == api
-    assert set(sq.NEUTRAL_SAMPLING) == api - PER_REQUEST
+        assert set(body["sampling_params"]) == api - none_by_default
+    assert set(sq.NEUTRAL_SAMPLING) == api - PER_REQUEST - none_by_default
+    assert {"top_k", "min_p", "repetition_penalty"} <= set(sq.NEUTRAL_SAMPLING)
 
 
 def test_pinned_sampling_fields_are_sglangs_own_defaults() -> None:
@@ -401,11 +406,15 @@ def test_every_call_a_lora_engine_makes_fits_the_contract(
             engine.load_weights(named[3:], version)
             assert engine.version == version and engine.weights_digest() == digest_of(named)
             await engine.generate(GenerateRequest([1, 2], 1.0, 1.0, 1, adapter="verifier"))
-        # the actor's failure path: a publish received in part is dropped, nothing loads
+        # the actor's failure path: a publish received in part is dropped, nothing loads,
+        # and a later call that starts mid-adapter is refused (the sorted wire order says
+        # what a whole publish is), leaving version 2 serving
         backup = engine.backup_weights()
         engine.load_weights(named[:3], 3)
         engine.restore_weights(backup)
-        engine.load_weights(named[3:], 3)
+        with pytest.raises(ValueError, match="the publish skipped"):
+            engine.load_weights(named[3:], 3)
+        engine.restore_weights(backup)
         assert engine.version == 2 and engine.weights_digest() == digest_of(named)
         with pytest.raises(ValueError, match=r"'critic'; this engine serves"):
             await engine.generate(GenerateRequest([1, 2], 1.0, 1.0, 1, adapter="critic"))

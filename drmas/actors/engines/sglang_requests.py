@@ -42,25 +42,17 @@ NEUTRAL_SAMPLING: dict[str, Any] = {
     "repetition_penalty": 1.0,  # 1 = no penalty
     "min_new_tokens": 0,  # > 0 would mask EOS and the stop tokens for a while
     "n": 1,
-    "beam_width": None,  # None = sampling, not beam search
-    "json_schema": None,  # no grammar constrains the tokens
-    "regex": None,
-    "ebnf": None,
-    "structural_tag": None,
-    "logit_bias": None,
-    "custom_params": None,  # nothing for a custom logit processor
-    "sampling_seed": None,  # a fixed seed would draw the same sample for a group's prompts
-    "watermark": None,  # no watermark bias on the logits
     "ignore_eos": False,
-    "stop_token_ids": None,  # ends only at EOS and our stop strings
-    "stop_regex": None,
     "skip_special_tokens": True,  # text only (we read token ids)
     "spaces_between_special_tokens": True,
-    "stream_interval": None,  # streaming only (we do not stream)
 }
-"""Every SamplingParams field the request does not set from GenerateRequest, at SGLang's
-neutral value (why: module docstring). The contract test checks that these and the five
-set per request cover every API field of the vendored SamplingParams."""
+"""Every SamplingParams field with a value of its own that the request does not set from
+GenerateRequest, at SGLang's neutral value (why: module docstring). The fields whose
+default is None (beam search, grammars, logit bias, seed, watermark, stop token ids, ...)
+are left out: None is their default whatever the model's generation config says, and a
+server older than the vendored SamplingParams may not know some of them (it would refuse
+every request naming one). The contract test checks that these, the five set per request
+and those None-default fields cover every API field of the vendored SamplingParams."""
 
 
 def generate_body(request: GenerateRequest, lora_name: str | None = None) -> dict[str, Any]:
