@@ -29,11 +29,13 @@ class AdvantageConfig:
     """unbiased (n-1, reference code) or population (n, paper)."""
     scope: Scope = "group"
     """group: statistics per prompt group; batch: pooled over the whole groups (every
-    agent's steps) of the model's training batch."""
+    agent's steps) of the model's training batch (one model only: refused otherwise)."""
     agent_std_pool: StdPool = "group"
     """agent modes: an agent's sigma from its steps in the group (group, Dr. MAS as
     written), or from its group-centred scores pooled over the batch's groups (batch: the
-    per-group mean is kept; steadier for an agent with few steps per group)."""
+    per-group mean is kept; steadier for an agent with few steps per group): modes agent
+    and agent_std with norm_by_std only (refused otherwise). The batch is that of the
+    agent's model, so with several models it pools over its own model's groups."""
     std_floor: NonNegativeFloat = 0.0
     """A floor under every sigma, on the reward scale (0 = none): a difference smaller
     than it (e.g. only the invalid-action penalty) is not blown up to unit size."""

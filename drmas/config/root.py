@@ -52,7 +52,8 @@ class AlgorithmConfig:
     max_staleness: NonNegative = 1
     """η: a step generated at version v_b may train version v_l only if v_l - v_b <= η."""
     invalid_action_penalty: NonNegativeFloat = 0.1
-    """Subtracted from the team reward for a step whose action did not parse."""
+    """Subtracted from a step's reward (its own Step.reward, else the team's) when its
+    action did not parse."""
     skip_zero_variance: bool = False
     """Leave out of a batch every group in which no agent's scores vary (no learning
     signal; DAPO's dynamic sampling, per agent), count it, and fill the batch from later

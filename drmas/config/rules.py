@@ -24,6 +24,7 @@ def check(cfg: DrmasConfig) -> DrmasConfig:
     _check_probe(cfg)
     _check_one_distribution(cfg)
     _check_batch_scope(cfg)
+    _check_sigma_options(cfg)
     return dataclasses.replace(cfg, models=used)
 
 
@@ -141,4 +142,24 @@ def _check_batch_scope(cfg: DrmasConfig) -> None:
             "scope=group (the default, exact for any assignment), or serve every agent from "
             "one model (agents.<name>.model the same; models.<m>.lora.rank > 0 for "
             "separate adapters on one base)"
+        )
+
+
+def _check_sigma_options(cfg: DrmasConfig) -> None:
+    """agent_std_pool and std_floor change only what a mode divides by: set where they would
+    do nothing, they are refused rather than silently ignored."""
+    adv = cfg.algorithm.advantage
+    pools = adv.agent_std_pool == "batch"
+    if pools and (adv.mode not in ("agent", "agent_std") or not adv.norm_by_std):
+        raise ConfigError(
+            "algorithm.advantage.agent_std_pool=batch changes the per-agent standard "
+            "deviation, which only modes agent and agent_std divide by (with norm_by_std="
+            f"true); here mode={adv.mode}, norm_by_std={adv.norm_by_std}: drop it or use "
+            "mode=agent"
+        )
+    if adv.std_floor > 0 and not adv.norm_by_std:
+        raise ConfigError(
+            f"algorithm.advantage.std_floor={adv.std_floor} floors the standard deviation "
+            "that advantages are divided by, and norm_by_std=false divides by none: drop "
+            "std_floor or set norm_by_std=true"
         )

@@ -209,3 +209,22 @@ def test_adapters_per_agent_on_a_lora_base() -> None:
 def test_adapter_rules(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refusal"),
+    [
+        (["algorithm.advantage.agent_std_pool=batch", "algorithm.advantage.mode=global"],
+         r"only modes agent and agent_std divide by .* mode=global"),
+        (["algorithm.advantage.agent_std_pool=batch", "algorithm.advantage.norm_by_std=false"],
+         r"agent_std_pool=batch .* norm_by_std=False"),
+        (["algorithm.advantage.std_floor=0.3", "algorithm.advantage.norm_by_std=false"],
+         r"std_floor=0.3 floors .* norm_by_std=false divides by none"),
+    ],
+)  # fmt: skip
+def test_sigma_options_where_they_would_do_nothing_are_refused(
+    overrides: list[str], refusal: str
+) -> None:
+    with pytest.raises(ConfigError, match=refusal):
+        load_config(overrides)
+    load_config([o for o in overrides if "mode=" not in o and "norm_by_std" not in o])
