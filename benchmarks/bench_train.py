@@ -74,6 +74,7 @@ def run_train(overrides: list[str], cache: str = "", env: dict[str, str] | None 
         "command": " ".join(
             [*(f"{k}={v}" for k, v in (env or {}).items()), "drmas train", *overrides]
         ),
+        "run_dir": str(run_dir),
         "exit_code": proc.returncode,
         "wall_s": wall,
         "peak_rss_gb": peak / 1e9,
