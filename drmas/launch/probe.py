@@ -7,11 +7,13 @@
 One process, no broker: the actor's workflow and engines (actor.engine, frozen weights)
 sample `probe.groups` groups of training tasks; every step is scored (synthetic: a normal
 draw per step from its agent's [mean, std], independent of the actions, where the lemma is
-exact; sampled: the team's real score, reward minus the invalid-action penalty);
-advantages are computed over each whole group under `agent` and each baseline; and a
-world-1 learner (the FSDP2 Trainer of each model, gloo on CPU) measures every agent's
-gradient second moment under each (drmas/learners/probe.py). Writes RUN_DIR/probe.json and
-RUN_DIR/probe.png.
+exact; sampled: the step's score as the broker computes it, drmas/broker/scores.py: its own
+Step.reward where the team sets one, else the episode's team reward, minus the
+invalid-action penalty); advantages are computed over each whole group under `agent` and
+each baseline; and a world-1 learner (the FSDP2 Trainer of each model, gloo on CPU) takes,
+per agent and group, every step's gradient norm and the gradient under each mode
+(drmas/learners/probe.py: predicted factor, measured ratio and their agreement). Writes
+RUN_DIR/probe.json and RUN_DIR/probe.png.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from drmas.broker.advantages import compute_advantages
+from drmas.broker.scores import step_scores as broker_step_scores
 from drmas.config import DrmasConfig
 from drmas.launch.train import prepare_run
 from drmas.protocol.messages import Episode, Sample, SamplingParams, Step, Task
@@ -78,6 +81,8 @@ def measure(cfg: DrmasConfig) -> dict[str, Any]:
             if v
         },
         "rewards": {a: list(v) for a, v in p.rewards.items()},
+        # Steps scored with their own Step.reward (a team's role rewards; 0 = team rewards).
+        "own_reward_steps": sum(s.reward is not None for g in groups for e in g for s in e.steps),
         "groups": len(groups),
         "group_size": size,
         "seed": p.seed,
@@ -116,7 +121,7 @@ def measure_gradients(
             _measure_group(cfg, trainers, episodes, rng, rows, scores_by_agent)
     finally:
         dist.destroy_process_group()
-    return {a: r for a, r in rows.items() if r.grad_sq}, scores_by_agent
+    return {a: r for a, r in rows.items() if r.steps}, scores_by_agent
 
 
 def _measure_group(
@@ -128,8 +133,8 @@ def _measure_group(
     scores_by_agent: dict[str, list[float]],
 ) -> None:
     """One group: its step scores, advantages over the whole group under each mode, and
-    each agent's gradient norms on its own steps (added to `rows`)."""
-    from drmas.learners.probe import grad_sq_norms
+    each agent's gradient moments on its own steps (added to `rows`)."""
+    from drmas.learners.probe import TrainerGradients, group_moments
 
     modes: list[AdvantageMode] = ["agent", *cfg.probe.baselines]
     steps = [(e, s) for e, ep in enumerate(episodes) for s in ep.steps]
@@ -153,9 +158,8 @@ def _measure_group(
         if not idx:
             continue  # an agent this group never called (the Search Agent)
         samples = [_sample(steps[i][1]) for i in idx]
-        mine: dict[str, np.ndarray] = {m: adv[m][idx] for m in modes}
-        trainer = trainers[cfg.model_of(agent)]
-        rows[agent].add(grad_sq_norms(trainer, samples, mine), mine)
+        grads = TrainerGradients(trainers[cfg.model_of(agent)], samples)
+        rows[agent].add(group_moments(grads, {m: adv[m][idx] for m in modes}), len(idx))
         scores_by_agent[agent] += [float(scores[i]) for i in idx]
 
 
@@ -203,18 +207,15 @@ async def sample_groups(cfg: DrmasConfig, count: int, size: int, seed: int) -> l
 
 
 def step_scores(cfg: DrmasConfig, episodes: list[Episode], rng: np.random.Generator) -> np.ndarray:
-    """One score per step (episode by episode): synthetic draws, or reward minus penalty."""
+    """One score per step (episode by episode): synthetic draws from the agent's [mean, std],
+    or the step's score as the broker computes it (its own Step.reward where the team set
+    one, else the episode's team reward; minus the penalty of an invalid action)."""
     rewards = cfg.probe.rewards
-    penalty = cfg.algorithm.invalid_action_penalty
-    out = []
-    for episode in episodes:
-        for step in episode.steps:
-            if rewards:
-                mean, std = rewards[step.agent]
-                out.append(rng.normal(mean, std))
-            else:
-                out.append(episode.reward - (0.0 if step.valid else penalty))
-    return np.asarray(out, dtype=np.float64)
+    if not rewards:
+        _, scores = broker_step_scores(episodes, cfg.algorithm.invalid_action_penalty)
+        return np.asarray(scores, dtype=np.float64)
+    params = [rewards[s.agent] for e in episodes for s in e.steps]  # [mean, std] per step
+    return np.asarray([rng.normal(mean, std) for mean, std in params], dtype=np.float64)
 
 
 def _sample(step: Step) -> Sample:
@@ -225,14 +226,18 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"Lemma 4.2 probe ({result['mode']}, {result['groups']} groups of "
         f"{result['group_size']}): E|g_k|^2 under a baseline / under agent-wise",
-        f"{'agent':<12}{'baseline':<13}{'predicted':>10}{'measured':>10}   95% CI",
+        f"{'agent':<12}{'baseline':<13}{'scores F':>9}{'predicted':>10}{'measured':>10}"
+        f"   95% CI{'':<10}measured/predicted{'':<6}eff. steps",
     ]
     for agent, by_base in result["agents"].items():
         for base, r in by_base.items():
             lo, hi = r["ci95"]
+            alo, ahi = r["agreement_ci95"]
             lines.append(
-                f"{agent:<12}{base:<13}{r['predicted_factor']:>10.3f}"
+                f"{agent:<12}{base:<13}{r['score_factor']:>9.3f}{r['predicted_factor']:>10.3f}"
                 f"{r['measured_ratio']:>10.3f}   [{lo:.3f}, {hi:.3f}]"
+                f"   {r['agreement']:.3f} [{alo:.3f}, {ahi:.3f}]"
+                f"{r['effective_steps']:>8.0f}/{r['n_steps']}"
             )
     return "\n".join(lines)
 
@@ -260,6 +265,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ).T.reshape(2, -1)
         ax.bar(x - 0.2, predicted, 0.4, label="predicted F_k")
         ax.bar(x + 0.2, measured, 0.4, yerr=err, capsize=4, label="measured (95% CI)")
+        scores = [r["score_factor"] for r in rows]
+        ax.plot(x - 0.2, scores, "kx", label="F_k from scores alone")
         ax.axhline(1.0, color="grey", lw=1, ls="--")
         ax.set_yscale("log")
         ax.set_xticks(x, agents)

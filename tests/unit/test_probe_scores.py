@@ -1,0 +1,51 @@
+"""drmas probe scores each step as the broker does (drmas/launch/probe.py: step_scores):
+its own Step.reward where the team set one, else the episode's team reward, minus the
+invalid-action penalty; synthetic mode ignores both."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from drmas.config.load import load_config
+from drmas.launch.probe import step_scores
+from drmas.protocol.arrays import pack_ids, pack_logprobs
+from drmas.protocol.messages import Episode, Step
+
+
+def _step(agent: str, valid: bool, reward: float | None) -> Step:
+    return Step(
+        agent, "m", pack_ids([1]), pack_ids([2]), pack_logprobs([-0.5]), 0, valid, "stop", reward
+    )
+
+
+EPISODES = [
+    # team reward 0; the verifier is paid 1 for its own verdict but did not parse one
+    Episode([_step("solver", True, None), _step("verifier", False, 1.0)], reward=0.0),
+    # team reward 1; the solver is paid 0.5 for its own answer
+    Episode([_step("solver", True, 0.5), _step("verifier", True, None)], reward=1.0),
+]
+
+
+def test_sampled_scores_use_each_steps_own_reward():
+    cfg = load_config(["algorithm.invalid_action_penalty=0.25"])
+    scores = step_scores(cfg, EPISODES, np.random.default_rng(0))
+    # 0 (team), 1 − 0.25 (own, invalid), 0.5 (own), 1 (team)
+    assert scores.tolist() == [0.0, 0.75, 0.5, 1.0]
+
+
+def test_team_rewards_alone_give_todays_scores():
+    cfg = load_config(["algorithm.invalid_action_penalty=0.25"])
+    team = [
+        Episode([_step("solver", True, None), _step("verifier", False, None)], reward=1.0),
+        Episode([_step("solver", False, None)], reward=0.0),
+    ]
+    assert step_scores(cfg, team, np.random.default_rng(0)).tolist() == [1.0, 0.75, -0.25]
+
+
+def test_synthetic_scores_ignore_rewards_and_validity():
+    cfg = load_config(["probe.rewards={solver: [0, 1], verifier: [5, 0]}"])
+    scores = step_scores(cfg, EPISODES, np.random.default_rng(3))
+    # One normal draw per step in episode order: loc + scale · z with z standard normal.
+    z = np.random.default_rng(3).standard_normal(4)
+    assert scores.tolist() == pytest.approx([z[0], 5.0, z[2], 5.0])
