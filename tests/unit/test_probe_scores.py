@@ -1,14 +1,18 @@
-"""drmas probe scores each step as the broker does (drmas/launch/probe.py: step_scores):
-its own Step.reward where the team set one, else the episode's team reward, minus the
-invalid-action penalty; synthetic mode ignores both."""
+"""drmas/launch/probe.py without a model: each step is scored as the broker does
+(step_scores: its own Step.reward where the team set one, else the episode's team reward,
+minus the invalid-action penalty; synthetic mode ignores both), and the table and plot
+show what summarise returns."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from drmas.config.load import load_config
-from drmas.launch.probe import step_scores
+from drmas.launch.probe import format_table, plot, step_scores
+from drmas.learners.probe import AgentRows, GroupMoments, summarise
 from drmas.protocol.arrays import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, Step
 
@@ -49,3 +53,26 @@ def test_synthetic_scores_ignore_rewards_and_validity():
     # One normal draw per step in episode order: loc + scale · z with z standard normal.
     z = np.random.default_rng(3).standard_normal(4)
     assert scores.tolist() == pytest.approx([z[0], 5.0, z[2], 5.0])
+
+
+def test_table_and_plot_show_every_agent_and_baseline(tmp_path: Path):
+    rows = {a: AgentRows() for a in ("solver", "verifier")}
+    for g in range(4):
+        for r in rows.values():
+            moments = {"agent": 1.0 + g, "global": 2.0 + g, "step_global": 0.5 + g}
+            r.add(GroupMoments(moments, moments, moments, [1.0, 2.0]), 2)
+    result = {
+        "mode": "synthetic",
+        "groups": 4,
+        "group_size": 2,
+        "agents": summarise(rows, ["global", "step_global"], bootstrap=50, seed=0),
+    }
+    table = format_table(result)
+    lines = table.splitlines()
+    assert len(lines) == 2 + 4 and "measured/predicted" in lines[1]
+    # solver/global: predicted = measured = batch = (2+3+4+5)/(1+2+3+4) = 1.4; effective
+    # steps (4·(1 + 2))² / (4·(1 + 4)) = 7.2 of 8
+    assert lines[2].split()[:4] == ["solver", "global", "1.400", "1.400"]
+    assert lines[2].endswith(" 7/8")
+    plot(result, tmp_path / "probe.png")
+    assert (tmp_path / "probe.png").stat().st_size > 1000
