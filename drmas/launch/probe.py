@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import random
@@ -96,15 +97,18 @@ def measure(cfg: DrmasConfig) -> dict[str, Any]:
 def measure_gradients(
     cfg: DrmasConfig, groups: list[list[Episode]]
 ) -> tuple[dict[str, AgentRows], dict[str, list[float]]]:
-    """A world-1 learner (one Trainer per model) measures ‖g_k‖² for every agent of every
-    group under each advantage mode. Returns the rows of the agents that acted, and every
-    agent's step scores."""
+    """A world-1 learner (one Trainer per model) measures every agent's gradient moments in
+    every group under each advantage mode. Returns the rows of the agents that acted, and
+    every agent's step scores."""
     import torch.distributed as dist
 
     from drmas.learners.main import learner_device
     from drmas.learners.probe import AgentRows
     from drmas.learners.trainer import Trainer
 
+    rng = np.random.default_rng(cfg.probe.seed)
+    scores = [step_scores(cfg, episodes, rng) for episodes in groups]
+    advantages = probe_advantages(cfg, groups, scores)
     device = learner_device(cfg.learner.device)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
@@ -114,52 +118,69 @@ def measure_gradients(
     )
     try:
         trainers = {m: Trainer(cfg, m, 0, 1, device) for m in sorted(cfg.models)}
-        rng = np.random.default_rng(cfg.probe.seed)
         rows: dict[str, AgentRows] = {a: AgentRows() for a in cfg.agents}
         scores_by_agent: dict[str, list[float]] = {a: [] for a in cfg.agents}
-        for episodes in groups:
-            _measure_group(cfg, trainers, episodes, rng, rows, scores_by_agent)
+        for episodes, group_scores, adv in zip(groups, scores, advantages):
+            _measure_group(cfg, trainers, episodes, group_scores, adv, rows, scores_by_agent)
     finally:
         dist.destroy_process_group()
     return {a: r for a, r in rows.items() if r.steps}, scores_by_agent
+
+
+def probe_advantages(
+    cfg: DrmasConfig, groups: list[list[Episode]], scores: list[np.ndarray]
+) -> list[dict[str, np.ndarray]]:
+    """Per group, mode -> the advantage of each of its steps (episode by episode), under
+    `agent` and each baseline, computed as the broker's batch cut computes them for a batch
+    made of these groups: whole groups, with the run's std, eps, norm_by_std, scope,
+    agent_std_pool and std_floor (algorithm.advantage)."""
+    a = cfg.algorithm.advantage
+    modes: list[AdvantageMode] = ["agent", *cfg.probe.baselines]
+    sizes = [len(s) for s in scores]
+    group_ids = np.repeat(np.arange(len(groups)), sizes)
+    episode_ids = [e for episodes in groups for e, ep in enumerate(episodes) for _ in ep.steps]
+    agents = [s.agent for episodes in groups for ep in episodes for s in ep.steps]
+    flat = np.concatenate(scores) if scores else np.zeros(0)
+    by_mode = {
+        m: compute_advantages(
+            flat,
+            group_ids,
+            episode_ids,
+            agents,
+            mode=m,
+            norm_by_std=a.norm_by_std,
+            eps=a.eps,
+            std=a.std,
+            scope=a.scope,
+            agent_std_pool=a.agent_std_pool,
+            std_floor=a.std_floor,
+        )
+        for m in modes
+    }
+    bounds = np.cumsum([0, *sizes])
+    return [{m: v[lo:hi] for m, v in by_mode.items()} for lo, hi in itertools.pairwise(bounds)]
 
 
 def _measure_group(
     cfg: DrmasConfig,
     trainers: dict[str, Trainer],
     episodes: list[Episode],
-    rng: np.random.Generator,
+    scores: np.ndarray,
+    adv: dict[str, np.ndarray],
     rows: dict[str, AgentRows],
     scores_by_agent: dict[str, list[float]],
 ) -> None:
-    """One group: its step scores, advantages over the whole group under each mode, and
-    each agent's gradient moments on its own steps (added to `rows`)."""
+    """One group: each agent's gradient moments on its own steps under each mode's
+    advantages (added to `rows`), and its scores."""
     from drmas.learners.probe import TrainerGradients, group_moments
 
-    modes: list[AdvantageMode] = ["agent", *cfg.probe.baselines]
-    steps = [(e, s) for e, ep in enumerate(episodes) for s in ep.steps]
-    agents = [s.agent for _, s in steps]
-    scores = step_scores(cfg, episodes, rng)
-    adv = {
-        m: compute_advantages(
-            scores,
-            np.zeros(len(steps), dtype=np.int64),
-            [e for e, _ in steps],
-            agents,
-            mode=m,
-            norm_by_std=cfg.algorithm.advantage.norm_by_std,
-            eps=cfg.algorithm.advantage.eps,
-            std=cfg.algorithm.advantage.std,
-        )
-        for m in modes
-    }
+    steps = [s for ep in episodes for s in ep.steps]
     for agent in cfg.agents:
-        idx = [i for i, a in enumerate(agents) if a == agent]
+        idx = [i for i, s in enumerate(steps) if s.agent == agent]
         if not idx:
             continue  # an agent this group never called (the Search Agent)
-        samples = [_sample(steps[i][1]) for i in idx]
-        grads = TrainerGradients(trainers[cfg.model_of(agent)], samples)
-        rows[agent].add(group_moments(grads, {m: adv[m][idx] for m in modes}), len(idx))
+        grads = TrainerGradients(trainers[cfg.model_of(agent)], [_sample(steps[i]) for i in idx])
+        rows[agent].add(group_moments(grads, {m: v[idx] for m, v in adv.items()}), len(idx))
         scores_by_agent[agent] += [float(scores[i]) for i in idx]
 
 

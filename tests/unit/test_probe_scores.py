@@ -1,7 +1,8 @@
 """drmas/launch/probe.py without a model: each step is scored as the broker does
 (step_scores: its own Step.reward where the team set one, else the episode's team reward,
-minus the invalid-action penalty; synthetic mode ignores both), and the table and plot
-show what summarise returns."""
+minus the invalid-action penalty; synthetic mode ignores both), advantages as the batch
+cut computes them (probe_advantages, the run's algorithm.advantage), and the table and
+plot show what summarise returns."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from drmas.config.load import load_config
-from drmas.launch.probe import format_table, plot, step_scores
+from drmas.launch.probe import format_table, plot, probe_advantages, step_scores
 from drmas.learners.probe import AgentRows, GroupMoments, summarise
 from drmas.protocol.arrays import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, Step
@@ -76,3 +77,21 @@ def test_table_and_plot_show_every_agent_and_baseline(tmp_path: Path):
     assert lines[2].endswith(" 7/8")
     plot(result, tmp_path / "probe.png")
     assert (tmp_path / "probe.png").stat().st_size > 1000
+
+
+def test_advantages_follow_the_runs_options_group_by_group():
+    cfg = load_config(["algorithm.advantage.std_floor=0.5"])
+    groups = [
+        [Episode([_step("solver", True, None), _step("verifier", True, None)], reward=0.0)] * 2,
+        [Episode([_step("solver", True, None)], reward=0.0)] * 2,
+    ]
+    scores = [np.array([1.0, 0.5, 0.8, 0.5]), np.array([0.0, 2.0])]
+    out = probe_advantages(cfg, groups, scores)
+    assert [sorted(g) for g in out] == [["agent", "global", "step_global"]] * 2
+    d = 1 + 2e-6  # (σ + ε) with σ = 0.5 (the floor), ε = 1e-6, divided out below
+    # group 0, agent: solver 1, 0.8 -> μ 0.9, σ 0.141 < floor -> ±0.1/0.5; verifier σ 0 -> 0
+    assert out[0]["agent"] * d == pytest.approx([0.2, 0.0, -0.2, 0.0])
+    # group 0, step_global: μ 0.7, σ = sqrt(0.18/3) = 0.245 < floor -> (s − 0.7)/0.5
+    assert out[0]["step_global"] * d == pytest.approx([0.6, -0.4, 0.2, -0.4])
+    # group 1 on its own: solver 0, 2 -> μ 1, σ sqrt(2) above the floor -> ∓1/sqrt(2)
+    assert out[1]["agent"] == pytest.approx([-(0.5**0.5), 0.5**0.5], rel=1e-5)
