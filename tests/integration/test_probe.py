@@ -24,7 +24,8 @@ SMALL = [
 def test_synthetic_probe_shows_inflation_and_deflation(tmp_path: Path, model_cache: Path):
     # Solver scores N(0, 3), Verifier N(1, 0.3): pooled over all steps (step_global) the
     # team's σ² is about half the Solver's σ_k², so its gradient is inflated (F ≈ 1.7) and
-    # the Verifier's deflated (F ≈ 0.16); agent-wise normalisation makes both 1.
+    # the Verifier's deflated (F ≈ 0.16); agent-wise normalisation makes both 1. The
+    # measured ratio (per-step second moments on the learner) follows the factor.
     run = tmp_path / "syn"
     out = drmas(
         "probe", *SMALL, f"run.dir={run}", f"run.cache_dir={model_cache}",
@@ -38,8 +39,15 @@ def test_synthetic_probe_shows_inflation_and_deflation(tmp_path: Path, model_cac
     for by_base in agents.values():
         assert set(by_base) == {"global", "step_global"}
         for r in by_base.values():
-            lo, hi = r["ci95"]
-            assert lo <= r["measured_ratio"] <= hi and r["n_groups"] == 24
+            for key, ci in [
+                ("measured_ratio", "ci95"),
+                ("predicted_factor", "predicted_ci95"),
+                ("agreement", "agreement_ci95"),
+                ("batch_ratio", "batch_ci95"),
+            ]:
+                lo, hi = r[ci]
+                assert lo <= r[key] <= hi, (key, r)
+            assert r["n_groups"] == 24 and 0 < r["effective_steps"] <= r["n_steps"]
     solver, verifier = agents["solver"]["step_global"], agents["verifier"]["step_global"]
     assert solver["predicted_factor"] > 1.3 and solver["measured_ratio"] > 1.1
     assert verifier["predicted_factor"] < 0.4 and verifier["measured_ratio"] < 0.6
@@ -54,11 +62,28 @@ def test_sampled_probe_uses_the_teams_real_scores(tmp_path: Path, model_cache: P
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((run / "probe.json").read_text())
     assert result["mode"] == "sampled" and result["rewards"] == {}
+    assert result["own_reward_steps"] == 0  # the default math team pays the team reward
     # Real scores are team rewards (0/1) minus the 0.1 penalty of an unparseable action.
     for agent, s in result["scores"].items():
         assert -0.1 <= s["mean"] <= 1.0 and s["steps"] >= 4 * 4 // 4, agent
     for by_base in result["agents"].values():
         assert set(by_base) == {"global", "step_global"}
+
+
+def test_sampled_probe_scores_role_rewards(tmp_path: Path, model_cache: Path):
+    # workflow.rewards=role: every step of the math team carries its own Step.reward (0/1),
+    # and the probe scores the steps with those, as the broker does.
+    run = tmp_path / "role"
+    out = drmas(
+        "probe", *SMALL, f"run.dir={run}", f"run.cache_dir={model_cache}", "probe.groups=4",
+        "workflow.rewards=role",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((run / "probe.json").read_text())
+    steps = sum(s["steps"] for s in result["scores"].values())
+    assert result["own_reward_steps"] == steps >= 4 * 4
+    for agent, s in result["scores"].items():
+        assert -0.1 <= s["mean"] <= 1.0, agent
 
 
 def test_probe_refuses_rewards_for_part_of_the_team(tmp_path: Path):
