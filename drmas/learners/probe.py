@@ -16,7 +16,7 @@ step by the same batch totals):
 - measured ratio = Σ_i (A_i^b)² ‖h_i‖² / Σ_i (A_i^agent)² ‖h_i‖²: the per-step second
   moments the lemma compares, measured. Where the scores do not depend on the actions it
   estimates the same quantity as the prediction; `agreement` = measured / predicted is then
-  1 within its interval, and where it is not the advantages and the gradient sizes move
+  1 within its interval; away from 1, the advantages and the gradient sizes move
   together (real rewards, or a team whose composition follows the actions).
 - batch ratio = Σ_g ‖Σ_i A_i^b h_i‖² / Σ_g ‖Σ_i A_i^agent h_i‖²: the gradient of a batch
   of these groups, whose cross terms h_i·h_j (i ≠ j) have mean 0 under the lemma but not
@@ -32,8 +32,11 @@ normaliser was not the cause (the Verifier's tokens per group vary 156–177, we
 it moves the factor by < 1 %). The batch gradient was: 1 % of the Verifier's steps hold
 23 % of Σ‖h_i‖² (70 effective steps of 512), one group holds a fifth of both sums, and
 there the cross term of two rare responses with agent-wise advantages of opposite sign
-(+1.58, −1.54) cut the agent-wise norm by 43 %. Per-step second moments measure 0.68
-[0.59, 0.77] on the same groups, in agreement with the factor.
+(+1.58, −1.54) cut the agent-wise norm by 43 %. Those cross terms have mean 0, so with
+probe.seed 1 and 2 the old ratio agreed (0.69 and 0.65 against 0.62 and 0.61): it was
+noise that its interval did not cover. Per-step second moments measure 0.68 [0.59, 0.77]
+on the seed-0 groups, in agreement with the factor. The price is one backward per step
+besides the one per mode.
 
 Used by `drmas probe` (drmas/launch/probe.py), which samples the groups. A `Gradients`
 object turns (steps, weights) into a squared gradient norm: `TrainerGradients` on the
