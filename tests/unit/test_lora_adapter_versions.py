@@ -33,7 +33,6 @@ from drmas.protocol.messages import (
     WeightGroupPlan,
 )
 from drmas.transports.digest import digest_of
-from drmas.transports.ports import free_port
 from tests.unit.test_lora_learner import AGENTS, MODEL, lora_config, make_samples, shard_of
 
 if TYPE_CHECKING:
@@ -45,20 +44,6 @@ if TYPE_CHECKING:
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = tmp_path_factory.mktemp("cache")
     return resolve_model_path("builtin:tiny-qwen2", str(cache), WarmStartConfig(steps=0))
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def of(agents: str, per_agent: int = 2) -> list:

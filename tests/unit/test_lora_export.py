@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,6 @@ from drmas.models.lora import (
     write_merged,
     write_merged_folders,
 )
-from drmas.transports.ports import free_port
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 ADAPTERS = ["solver", "verifier"]
@@ -133,20 +131,6 @@ def test_a_merged_folder_is_a_plain_hugging_face_folder(model_path: Path, tmp_pa
     assert sorted(p.name for p in (base_folder / MERGED_FOLDER).iterdir()) == ADAPTERS
     with pytest.raises(FileNotFoundError, match="no PEFT adapter folder"):
         write_merged(base_folder, tmp_path / "nowhere", tmp_path / "out")
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("export_merged", [True, False])

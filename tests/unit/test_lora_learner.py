@@ -12,7 +12,6 @@ micro-batches run other adapters and give it no gradient.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +25,6 @@ from drmas.config.model import LoraConfig, ModelConfig, WarmStartConfig
 from drmas.models.builtin import resolve_model_path
 from drmas.protocol.arrays import pack_ids, pack_logprobs
 from drmas.protocol.messages import BatchShard, Sample
-from drmas.transports.ports import free_port
 
 if TYPE_CHECKING:
     from drmas.learners.trainer import Trainer
@@ -42,20 +40,6 @@ TARGETS = ("k_proj", "o_proj", "q_proj", "v_proj")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = tmp_path_factory.mktemp("cache")
     return resolve_model_path("builtin:tiny-qwen2", str(cache), WarmStartConfig(steps=0))
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def lora_config(model_path: Path, precision: str = "fp32") -> DrmasConfig:
