@@ -38,12 +38,8 @@ def write_config(path: Path) -> None:
     )
 
 
-def test_four_agents_train_their_own_adapters_on_one_base(
-    tmp_path: Path, model_cache: Path
-) -> None:
-    config = tmp_path / "four.yaml"
-    write_config(config)
-    run_dir = tmp_path / "run"
+def train_run(config: Path, run_dir: Path, model_cache: Path) -> None:
+    """`drmas train --config config` for STEPS short steps on the hf engine, no validation."""
     out = drmas(
         "train", "--config", str(config),
         f"train.steps={STEPS}", "group_size=4", f"batch_groups={BATCH_GROUPS}",
@@ -55,6 +51,15 @@ def test_four_agents_train_their_own_adapters_on_one_base(
         timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_four_agents_train_their_own_adapters_on_one_base(
+    tmp_path: Path, model_cache: Path
+) -> None:
+    config = tmp_path / "four.yaml"
+    write_config(config)
+    run_dir = tmp_path / "run"
+    train_run(config, run_dir, model_cache)
 
     train = [x for x in read_metrics(run_dir) if "val/tasks" not in x]
     assert [x["step"] for x in train] == list(range(1, STEPS + 1))
@@ -149,17 +154,7 @@ def test_an_adapter_no_step_trains_is_never_published_yet_held_bit_for_bit(
         + f"task: {{name: jsonl, train_path: '{data}'}}\n"
     )
     run_dir = tmp_path / "run"
-    out = drmas(
-        "train", "--config", str(config),
-        f"train.steps={STEPS}", "group_size=4", f"batch_groups={BATCH_GROUPS}",
-        "val.every=0", "val.at_start=false",
-        "sampling.max_new_tokens=12", "algorithm.loss.max_response_len=12",
-        "actor.engine.name=hf",
-        "broker.heartbeat_timeout_s=10", "weights.timeout_s=10",
-        f"run.dir={run_dir}", f"run.cache_dir={model_cache}",
-        timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    train_run(config, run_dir, model_cache)
 
     train = [x for x in read_metrics(run_dir) if "val/tasks" not in x]
     assert [x["step"] for x in train] == list(range(1, STEPS + 1))
