@@ -5,8 +5,8 @@ the comments beside it."""
 
 from __future__ import annotations
 
-import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +31,7 @@ from drmas.protocol.messages import (
     pack_group,
 )
 from drmas.tasks.source import TaskSource
+from tests.fixtures.broker_server import broker_server
 
 SHARED = ["experiment=tiny_math_shared", "group_size=2", "batch_groups=2", "val.every=0"]
 """Solver and verifier on one model, `policy`; with lora.rank > 0 two adapters of it."""
@@ -314,19 +315,9 @@ def test_a_plan_without_members_carries_nothing() -> None:
 
 # ------------------------------------------------------------ the broker loop
 @pytest.fixture
-def server(tmp_path: Path):
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"vocab_size": 64}))
-    cfg = load_config(
-        [f"models.solver.path={folder}", f"models.verifier.path={folder}", "val.every=0",
-         "train.steps=3", "group_size=2", "batch_groups=2", "models.verifier.lora.rank=8"]
-    )  # fmt: skip
-    srv = BrokerServer(cfg, None)
-    yield srv
-    srv.connections.close()
-    srv.sock.close(linger=0)
-    srv.ctx.term()
+def server(tmp_path: Path) -> Iterator[BrokerServer]:
+    with broker_server(tmp_path, "models.verifier.lora.rank=8") as srv:
+        yield srv
 
 
 def test_the_broker_checks_then_records_what_learners_report(server: BrokerServer) -> None:

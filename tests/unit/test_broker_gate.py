@@ -9,7 +9,7 @@ import logging
 import selectors
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,22 +49,13 @@ from drmas.protocol.messages import (
     Welcome,
     pack_group,
 )
+from tests.fixtures.broker_server import broker_server
 
 
 @pytest.fixture
-def server(tmp_path: Path):
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"vocab_size": 64}))
-    cfg = load_config(
-        [f"models.solver.path={folder}", f"models.verifier.path={folder}", "val.every=0",
-         "train.steps=3", "group_size=2", "batch_groups=2", "broker.max_actors=8"]
-    )  # fmt: skip
-    srv = BrokerServer(cfg, None)
-    yield srv
-    srv.connections.close()
-    srv.sock.close(linger=0)
-    srv.ctx.term()
+def server(tmp_path: Path) -> Iterator[BrokerServer]:
+    with broker_server(tmp_path, "broker.max_actors=8") as srv:
+        yield srv
 
 
 class Peer:
