@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pytest
@@ -29,6 +28,7 @@ from drmas.teams.resolve import resolve_team
 from drmas.teams.search.qa import contains_answer
 from drmas.teams.search.workflow import RetrieverTool, SearchTeam
 from tests.fixtures.engines import CharTokenizer, Reply, ScriptedEngine
+from tests.fixtures.retriever import Doc, FakeRetriever
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=32)
 
@@ -142,28 +142,6 @@ class ChatCharTokenizer(CharTokenizer):
     ) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
         return self(text, add_special_tokens=False).input_ids
-
-
-@dataclass(frozen=True)
-class Doc:
-    title: str
-    text: str
-
-
-@dataclass
-class FakeRetriever:
-    """Answers a query with the docs of `index[query]` (none for an unknown query)."""
-
-    index: dict[str, list[Doc]]
-    queries: list[str] = field(default_factory=list)
-
-    async def search(self, query: str) -> list[Any]:
-        self.queries.append(query)
-        await asyncio.sleep(0)
-        return self.index.get(query, [])
-
-    def close(self) -> None:
-        pass
 
 
 INDEX = {  # a two-hop question: Bo Taki -> Lumo (the bridge) -> Orsa (the answer)

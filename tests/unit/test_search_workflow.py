@@ -5,7 +5,6 @@ group's searches, and the prompts each agent sees."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pytest
@@ -16,6 +15,7 @@ from drmas.protocol.messages import Episode, SamplingParams, Task
 from drmas.teams.search.prompts import TINY_INSTRUCTIONS
 from drmas.teams.search.workflow import RetrieverTool, SearchTeam
 from tests.fixtures.engines import CharTokenizer, ScriptedEngine
+from tests.fixtures.retriever import Doc, FakeRetriever
 
 TASK = Task("kb:train:0", "In which country was Bo Taki born?", "Orsa", "kb", ["Orsa", "Orsa Land"])
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=32)
@@ -25,29 +25,6 @@ AGENT_OF_LABEL = {"Verifier:": "verifier", "Search:": "searcher", "Answer:": "an
 def _agent(prompt: str) -> str:
     """Whose turn a prompt ends on, by the label it ends with."""
     return next(a for label, a in AGENT_OF_LABEL.items() if prompt.endswith(label))
-
-
-@dataclass(frozen=True)
-class Doc:
-    title: str
-    text: str
-
-
-@dataclass
-class FakeRetriever:
-    """Answers a query with the docs of `index[query]`; counts how calls arrive together."""
-
-    index: dict[str, list[Doc]]
-    queries: list[str] = field(default_factory=list)
-    closed: bool = False
-
-    async def search(self, query: str) -> list[Any]:
-        self.queries.append(query)
-        await asyncio.sleep(0)
-        return self.index.get(query, [])
-
-    def close(self) -> None:
-        self.closed = True
 
 
 INDEX = {
