@@ -346,6 +346,7 @@ class WeightGroupPlan(_Msg, tag="weight_group_plan"):
     # LoRA base: the adapters this publish carries, those whose version differs from what
     # some member holds (the others every member holds already). Unused for a whole model.
     adapters: list[str] = []
+    token: str = ""  # the group's secret, members prove it at join ("" = no check)
 
 
 # broker -> actor, unsolicited: join this weight group and receive `version` of `model`.
@@ -357,6 +358,8 @@ class JoinWeightGroup(_Msg, tag="join_weight_group"):
     rank: int
     world_size: int
     timeout_s: float
+    token: str = ""  # the group's secret (as in its WeightGroupPlan), proven at join
+    adapters: list[str] = []  # LoRA base: what the publish carries (the header must match)
 
 
 # actor -> broker after a JoinWeightGroup: loaded (ok) or failed (error says why).
