@@ -20,6 +20,14 @@ member holds (`AdapterVersions.to_send`, drmas/broker/adapter_versions.py): the 
 names them, and each metrics line says how many (`publish_adapters/<model>`) and how many
 bytes went out (`weight_sync_bytes/<model>`, every model).
 
+Weights prove themselves (drmas/transports/weights/receiver.py): each group gets a
+secret token, handed to the learner in its WeightGroupPlan and to the group's members in
+their JoinWeightGroup only, which every member proves at join; each join names the
+adapters the publish carries, so a receiver can check the header against them. A load
+that fails (a refused header, a digest mismatch, a timeout) leaves the actor behind, and
+the learner's next BatchRequest re-publishes to it: at most MAX_RELOADS times per version
+(`weight_republishes_given_up` counts the actors then left for the next version's publish).
+
 Bounded: digests are kept for the last three versions of each model only.
 """
 
@@ -39,6 +47,11 @@ if TYPE_CHECKING:
     from drmas.config import DrmasConfig
 
 log = logging.getLogger("drmas.broker")
+
+MAX_RELOADS = 3
+"""Failed loads of one version by one actor after which it is not re-published that
+version (the next version's publish includes it again): a broken actor cannot make its
+learner re-publish forever."""
 
 
 class WeightPublishing:
@@ -66,8 +79,10 @@ class WeightPublishing:
         self._seq = 0
         # unique across broker restarts: a resumed broker never reuses an old group's name
         self._incarnation = secrets.token_hex(3)
-        # model -> (group name, store address, members) of the group its publishes reuse
-        self.groups: dict[str, tuple[str, str, tuple[str, ...]]] = {}
+        # model -> (group name, store address, members, token) of the group its publishes reuse
+        self.groups: dict[str, tuple[str, str, tuple[str, ...], str]] = {}
+        # (actor, model) -> (version, failed loads of it in a row)
+        self.failed_loads: dict[tuple[str, str], tuple[int, int]] = {}
         self.closed = False  # the run is over and actors were told to stop: publish to none
 
     def stale_actors(self, model: str, version: int, now: float) -> list[str]:
@@ -78,7 +93,9 @@ class WeightPublishing:
         return sorted(
             a.client_id
             for a in self.actors.values()
-            if model in a.models and a.versions.get(model, 0) < version
+            if model in a.models
+            and a.versions.get(model, 0) < version
+            and self.failed_loads.get((a.client_id, model), (0, 0)) < (version, MAX_RELOADS)
         )
 
     def plan(
@@ -105,18 +122,23 @@ class WeightPublishing:
             full = True
         self.planned[model] = version
         adapters = self._adapters(model, version, members)
-        name = self._group_name(model, store_address, members, full)
+        name, token = self._group_name(model, store_address, members, full)
         timeout = self.cfg.weights.timeout_s
         size = len(members) + 1
         joins = [
-            (cid, JoinWeightGroup(model, version, name, store_address, i + 1, size, timeout))
+            (
+                cid,
+                JoinWeightGroup(
+                    model, version, name, store_address, i + 1, size, timeout, token, adapters
+                ),
+            )
             for i, cid in enumerate(members)
         ]
         if members:
             self.in_flight[model] = now + timeout + self.cfg.broker.heartbeat_timeout_s
         else:
             self.done(model, version, 0.0, ok=True)
-        return WeightGroupPlan(model, version, name, members, timeout, adapters), joins
+        return WeightGroupPlan(model, version, name, members, timeout, adapters, token), joins
 
     def _adapters(self, model: str, version: int, members: list[str]) -> list[str]:
         """What a publish of `version` to `members` carries on a LoRA base (counted for the
@@ -128,21 +150,25 @@ class WeightPublishing:
         self.carried[model] = len(adapters)
         return adapters
 
-    def _group_name(self, model: str, store: str, members: list[str], full: bool) -> str:
-        """The name of the model's kept group when this publish goes to the same members
-        over the same store; else a new name (kept for the next publish if `full`)."""
+    def _group_name(
+        self, model: str, store: str, members: list[str], full: bool
+    ) -> tuple[str, str]:
+        """(name, token) of the model's kept group when this publish goes to the same
+        members over the same store; else of a new group (kept for the next publish if
+        `full`) with a fresh token, which only the learner and these members are told."""
         kept = self.groups.get(model)
-        if members and full and kept is not None and kept[1:] == (store, tuple(members)):
+        if members and full and kept is not None and kept[1:3] == (store, tuple(members)):
             self.counters["weight_groups_kept"] += 1
-            return kept[0]
+            return kept[0], kept[3]
         name = f"{model}/{self._incarnation}/g{self._seq}"
+        token = secrets.token_hex(16)
         if members:
             self.counters["weight_groups_formed"] += 1
         if full and members:
-            self.groups[model] = (name, store, tuple(members))
+            self.groups[model] = (name, store, tuple(members), token)
         else:  # a one-off group (a subset re-publish): the learner retires the kept one
             self.groups.pop(model, None)
-        return name
+        return name, token
 
     def forget_group(self, model: str) -> None:
         """A failure in the model's group: its next publish forms a new one."""
@@ -180,11 +206,30 @@ class WeightPublishing:
             actor.versions[model] = max(actor.versions.get(model, 0), version)
         if not ok:
             self.forget_group(model)
+            self._failed(client_id, model, version)
+        else:
+            self.failed_loads.pop((client_id, model), None)
         self.counters["weight_loads" if ok else "weight_loads_failed"] += 1
         if ok and digest and version >= self._oldest_compared(model):
             self.loaded_digest.setdefault((model, version), {})[client_id] = digest
             self._compare(model, version)
         self._prune(model)
+
+    def _failed(self, client_id: str, model: str, version: int) -> None:
+        """Count a failed load; the actor is re-published this version MAX_RELOADS times."""
+        for gone in [k for k in self.failed_loads if k[0] not in self.actors]:
+            del self.failed_loads[gone]  # bounded by the actors registered now
+        if client_id not in self.actors:
+            return
+        last, count = self.failed_loads.get((client_id, model), (version, 0))
+        count = count + 1 if last == version else 1
+        self.failed_loads[(client_id, model)] = (version, count)
+        if count == MAX_RELOADS:
+            self.counters["weight_republishes_given_up"] += 1
+            log.error(
+                "%s failed to load %s v%d %d times: not re-publishing it this version",
+                client_id, model, version, count,
+            )  # fmt: skip
 
     def _compare(self, model: str, version: int) -> None:
         """Actors must hold bit for bit what the learner sent (counted, logged)."""

@@ -308,6 +308,7 @@ class Learner:
                 plan.timeout_s,
                 specs=specs,
                 peers=plan.members,
+                token=plan.token,
             )
             fingerprint = digest.hexdigest() if verify else ""
             done = PublishDone(model, version, stats.seconds, stats.bytes, digest=fingerprint)

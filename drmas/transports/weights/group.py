@@ -19,7 +19,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import hashlib
+import hmac
 import logging
+import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +33,13 @@ import torch
 import torch.distributed as dist
 
 from drmas.config.transport import WeightSyncConfig
-from drmas.transports.weights.layout import DTYPES, WeightSyncError, WeightSyncTimeout
+from drmas.transports.weights.layout import (
+    DTYPES,
+    NONCE_BYTES,
+    TOKEN_PROOF_BYTES,
+    WeightSyncError,
+    WeightSyncTimeout,
+)
 
 log = logging.getLogger("drmas.weights")
 
@@ -103,6 +112,44 @@ class Group:
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
         self.finish(self.start(tensor, what), what)
 
+    def authenticate(self, token: str) -> None:
+        """Before any weights go out: rank 0 broadcasts a fresh nonce, every rank answers
+        with an HMAC of it under the group's token (handed out by the broker to the group's
+        members only), and rank 0 checks every answer. A peer that reached the store and
+        took a rank without the token is found here and the publish fails, sending nothing.
+        Fresh per publish, so a kept group proves itself again and no answer replays."""
+        where = self.where
+        nonce = torch.zeros(NONCE_BYTES, dtype=torch.uint8)
+        if where.rank == 0:
+            nonce = torch.frombuffer(bytearray(secrets.token_bytes(NONCE_BYTES)), dtype=torch.uint8)
+        nonce = nonce.to(self.device)
+        self.broadcast(nonce, "token challenge")
+        raw = nonce.cpu().numpy().tobytes()
+        mine = token_proof(token, where.group, where.rank, raw) if where.rank else b""
+        own = torch.frombuffer(bytearray(mine.ljust(TOKEN_PROOF_BYTES, b"\0")), dtype=torch.uint8)
+        proofs = [
+            torch.zeros(TOKEN_PROOF_BYTES, dtype=torch.uint8, device=self.device)
+            for _ in range(where.world_size)
+        ]
+        assert self.pg is not None
+        with where.phase("token proofs"):
+            self.pg.allgather([proofs], [own.to(self.device)]).wait(where.timeout)
+        if where.rank != 0:
+            return
+        bad = [
+            rank
+            for rank in range(1, where.world_size)
+            if not hmac.compare_digest(
+                proofs[rank].cpu().numpy().tobytes(), token_proof(token, where.group, rank, raw)
+            )
+        ]
+        if bad:
+            raise WeightSyncError(
+                f"weight group {where.group!r}: rank(s) {bad} did not prove the group's token: "
+                f"a peer that is not a member of the broker's plan took their place (peers: "
+                f"{where.peers}); no weights sent. Keep weights.host reachable by actors only"
+            )
+
     def close(self, ok: bool) -> None:
         """Tear the group down: shutdown when every peer is known to be doing the same, else
         abort (never waits for a peer). Either costs ~20 ms holding the GIL (gloo joins its
@@ -117,6 +164,12 @@ class Group:
                 pg.abort()
         except RuntimeError as exc:  # already broken: nothing left to release
             log.debug("closing weight group %s: %s", self.where.group, exc)
+
+
+def token_proof(token: str, group: str, rank: int, nonce: bytes) -> bytes:
+    """What rank `rank` answers to `nonce`: only a holder of the token can compute it."""
+    message = f"{group}|{rank}|".encode() + nonce
+    return hmac.new(token.encode(), message, hashlib.sha256).digest()
 
 
 class Retired:

@@ -7,7 +7,7 @@ anything from it. No sockets and no process groups here (group.py has those).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -18,7 +18,13 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 MAX_HEADER_BYTES = 64 * 2**20
 """A header (name, shape, dtype of every tensor) longer than this is refused unread."""
 MAX_BUCKET_BYTES = 8 * 2**30
-"""A bucket size rank 0 may announce (weights.bucket_mb is far below it)."""
+"""A bucket size rank 0 may announce (weights.bucket_mb is far below it). A receiver
+allocates at most the bytes the header's tensors add up to, whatever it announces."""
+DIGEST_BYTES = 32
+"""Length of the digest trailer (hex characters of drmas.transports.digest)."""
+TOKEN_PROOF_BYTES = 32
+"""Length of a member's proof that it holds the group's token (HMAC-SHA256)."""
+NONCE_BYTES = 16
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -67,6 +73,9 @@ class Header(msgspec.Struct, array_like=True, frozen=True):
 
     bucket_bytes: int
     tensors: list[TensorSpec]
+    digest: bool = False
+    """A digest of every byte sent follows the last bucket (DIGEST_BYTES, uint8): the
+    receiver compares it with what it received before anything goes live."""
 
 
 @dataclass(frozen=True)
@@ -141,3 +150,61 @@ def decode_header(raw: bytes, group: str) -> Header:
                 f"{MAX_BUCKET_BYTES} bytes expected"
             )
     return header
+
+
+FLOATS = frozenset({"float32", "bfloat16", "float16", "float64"})
+"""A floating tensor may arrive in any of these (the publish dtype may differ from the
+engine's; the engine casts on copy). Any other dtype must match exactly."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a receiver must get before it loads a byte: exactly these tensors (name ->
+    shape and dtype name of the engine's own tensor), each once, nothing else. `what`
+    names the set for the error message ("every parameter of m", "adapters a, b")."""
+
+    specs: Mapping[str, tuple[tuple[int, ...], str]]
+    what: str
+
+
+def header_bytes(header: Header) -> int:
+    """What the header's tensors add up to: the most a receiver ever allocates for them."""
+    return sum(spec.nbytes for spec in header.tensors)
+
+
+def check_covers(header: Header, expected: Expected, group: str) -> None:
+    """Refuse a header that does not name exactly `expected` (a partial header would leave
+    the rest of the model at the previous version, an extra name would write where it
+    must not), or whose shapes or dtypes differ. Runs before any bucket is received."""
+    names = [spec.name for spec in header.tensors]
+    missing = sorted(set(expected.specs) - set(names))
+    extra = sorted(set(names) - set(expected.specs))
+    if missing or extra or len(names) != len(set(names)):
+        raise WeightSyncError(
+            f"weight group {group!r}: the header names {len(names)} tensors, "
+            f"{len(expected.specs)} expected ({expected.what}): missing {len(missing)} "
+            f"{_few(missing)}, unknown {len(extra)} {_few(extra)}, "
+            f"repeated {len(names) - len(set(names))}; refusing it before loading anything"
+        )
+    for spec in header.tensors:
+        shape, dtype = expected.specs[spec.name]
+        same_kind = spec.dtype == dtype or (spec.dtype in FLOATS and dtype in FLOATS)
+        if tuple(spec.shape) != tuple(shape) or not same_kind:
+            raise WeightSyncError(
+                f"weight group {group!r}: tensor {spec.name[:100]!r} announced as "
+                f"{spec.dtype} {tuple(spec.shape)[:8]}, the engine holds {dtype} "
+                f"{tuple(shape)[:8]}; refusing the header before loading anything"
+            )
+
+
+def _few(names: Sequence[str]) -> str:
+    return "(" + ", ".join(repr(n[:80]) for n in names[:3]) + (", ...)" if len(names) > 3 else ")")
+
+
+def expected_of(named: Iterable[tuple[str, torch.Tensor]], what: str) -> Expected:
+    """The expectation for these (name, tensor) pairs: the engine's own tensors."""
+    specs = {}
+    for name, tensor in named:
+        dtype = DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype).removeprefix("torch."))
+        specs[name] = (tuple(int(d) for d in tensor.shape), dtype)
+    return Expected(specs, what)

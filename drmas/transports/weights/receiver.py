@@ -3,9 +3,18 @@
 bucket, into the engine's model.
 
 It receives the next bucket while `load` copies the current one, keeping at most two
-reusable bucket buffers per dtype. It takes at most MAX_HEADER_BYTES of header and
-MAX_BUCKET_BYTES per bucket from rank 0. The group is kept for the model's next version
-while the broker names the same group, store and rank; otherwise the old one is retired.
+reusable bucket buffers per dtype. The group is kept for the model's next version while
+the broker names the same group, store and rank; otherwise the old one is retired.
+
+What arrives proves itself before the engine may serve it:
+- the join's token: this actor answers rank 0's challenge (group.py, `authenticate`);
+- the header: at most MAX_HEADER_BYTES, and, when the engine says what it holds
+  (`Expected`), exactly its parameter set (or the adapters the publish carries) by name,
+  shape and dtype, checked before the first bucket; buffers never exceed what the header's
+  tensors add up to, whatever bucket size rank 0 announces;
+- the bytes: with a digest trailer, a digest of everything received is compared with it
+  after the last bucket; a mismatch raises WeightSyncError, and the actor rolls the engine
+  back or quarantines it exactly as on a failed load (the engine is paused throughout).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import torch
 
 from drmas.config.transport import WeightSyncConfig
 from drmas.protocol.messages import JoinWeightGroup
+from drmas.transports.digest import Digest
 from drmas.transports.weights.group import (
     Buffers,
     Group,
@@ -28,14 +38,21 @@ from drmas.transports.weights.group import (
     store_client,
 )
 from drmas.transports.weights.layout import (
+    DIGEST_BYTES,
     MAX_HEADER_BYTES,
     Bucket,
+    Expected,
     Header,
     NamedTensors,
     WeightSyncError,
+    check_covers,
     decode_header,
+    header_bytes,
     plan_buckets,
 )
+
+Expecting = Callable[[JoinWeightGroup], "Expected | None"]
+"""What the engine serving a join's model holds (None: not known, not checked)."""
 
 
 @dataclass
@@ -50,9 +67,13 @@ class WeightReceiver:
     """Actor side: joins the group a JoinWeightGroup names and receives one version."""
 
     def __init__(
-        self, cfg: WeightSyncConfig | None = None, device: torch.device | str = "cpu"
+        self,
+        cfg: WeightSyncConfig | None = None,
+        device: torch.device | str = "cpu",
+        expected: Expecting | None = None,
     ) -> None:
         self.cfg = cfg or WeightSyncConfig()
+        self.expected = expected
         self.device = torch.device(device)
         self.backend = resolve_backend(self.cfg, self.device)
         self._retired = Retired()
@@ -97,46 +118,72 @@ class WeightReceiver:
         return Group(where, store, backend, self.device)
 
     def receive_into(
-        self, join: JoinWeightGroup, load: Callable[[NamedTensors], None]
+        self,
+        join: JoinWeightGroup,
+        load: Callable[[NamedTensors], None],
+        expected: Expected | None = None,
     ) -> ReceiveStats:
         """Receive every bucket and call `load` once per bucket with (HF name, tensor) views
         into it. The views are only valid during that call (the buffer is reused for a later
-        bucket): `load` copies them into the model, as Engine.load_weights does."""
+        bucket): `load` copies them into the model, as Engine.load_weights does. Raises
+        WeightSyncError before the first `load` on a header that is not `expected` (else
+        what the receiver's `expected` says), and after the last on a digest mismatch."""
         start = time.monotonic()
         nbytes = buckets = tensors = 0
-        for batch in self._buckets(join):
+        for batch in self._buckets(join, expected):
             load(batch)
             buckets += 1
             tensors += len(batch)
             nbytes += sum(t.numel() * t.element_size() for _, t in batch)
         return ReceiveStats(time.monotonic() - start, nbytes, buckets, tensors)
 
-    def receive(self, join: JoinWeightGroup) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive(
+        self, join: JoinWeightGroup, expected: Expected | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Same as receive_into, as a flat generator; consume it fully (or close it). A tensor
-        is valid until the generator moves past the end of its bucket."""
-        for batch in self._buckets(join):
+        is valid until the generator moves past the end of its bucket. The digest is checked
+        when the last tensor has been taken: a consumer loading in place must treat what it
+        loaded as bad until the generator ends without an error."""
+        for batch in self._buckets(join, expected):
             yield from batch
 
-    def _buckets(self, join: JoinWeightGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def _buckets(
+        self, join: JoinWeightGroup, expected: Expected | None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         self.release()
         peer = f"learner rank 0 of {join.model} at {join.store_address}"
         where = Where(join.group_name, join.rank, join.world_size, join.timeout_s, peer)
+        if expected is None and self.expected is not None:
+            expected = self.expected(join)
         group = self._group(join, where)
         try:
+            if join.token:
+                group.authenticate(join.token)
             header = self._header(group)
+            if expected is not None:
+                check_covers(header, expected, join.group_name)
+            # never more than the tensors add up to, whatever bucket size was announced
+            cap = max(1, min(header.bucket_bytes, header_bytes(header)))
             plan = plan_buckets(header.tensors, header.bucket_bytes)
             pipeline = Pipeline(group, lambda t: None)
+            digest = Digest() if header.digest else None
             if plan:
-                self._post(pipeline, plan, 0, header)
+                self._post(pipeline, plan, 0, cap)
             for b, bucket in enumerate(plan):
                 if b + 1 < len(plan):
-                    self._post(pipeline, plan, b + 1, header)  # arrives while b is loaded
+                    self._post(pipeline, plan, b + 1, cap)  # arrives while b is loaded
                 flat = pipeline.pop()
-                yield [
+                batch = [
                     (header.tensors[i].name, flat[off : off + n].view(header.tensors[i].shape))
                     for i, off, n in bucket.members
                 ]
-                self._buffers.give(flat, header.bucket_bytes)
+                if digest is not None:
+                    for name, tensor in batch:
+                        digest.add(name, tensor)
+                yield batch
+                self._buffers.give(flat, cap)
+            if digest is not None:
+                self._check_digest(group, digest)
         except BaseException:  # includes GeneratorExit: the caller stopped early
             group.close(ok=False)
             self._buffers.reset()
@@ -146,9 +193,24 @@ class WeightReceiver:
             group,
         )
 
-    def _post(self, pipeline: Pipeline, plan: list[Bucket], b: int, header: Header) -> None:
-        buffer = self._buffers.take(plan[b].dtype, plan[b].numel, header.bucket_bytes)
+    def _post(self, pipeline: Pipeline, plan: list[Bucket], b: int, cap: int) -> None:
+        buffer = self._buffers.take(plan[b].dtype, plan[b].numel, cap)
         pipeline.push(buffer, f"bucket {b} of {len(plan)}")
+
+    def _check_digest(self, group: Group, digest: Digest) -> None:
+        """Compare what arrived with rank 0's digest of what it sent, before the caller
+        may make it live."""
+        trailer = torch.zeros(DIGEST_BYTES, dtype=torch.uint8, device=self.device)
+        group.broadcast(trailer, "digest")
+        sent = trailer.cpu().numpy().tobytes()
+        got = digest.hexdigest().encode().ljust(DIGEST_BYTES, b"0")[:DIGEST_BYTES]
+        if sent != got:
+            raise WeightSyncError(
+                f"weight group {group.where.group!r}: digest of the received weights "
+                f"{got.decode(errors='replace')} differs from rank 0's "
+                f"{sent.decode(errors='replace')[:DIGEST_BYTES]}: bytes changed on the way; "
+                "not making them live"
+            )
 
     def _header(self, group: Group) -> Header:
         length = torch.zeros(1, dtype=torch.int64, device=self.device)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from drmas.config.transport import WeightSyncConfig
+from drmas.transports.digest import Digest
 from drmas.transports.weights.group import (
     Buffers,
     Group,
@@ -34,6 +35,7 @@ from drmas.transports.weights.group import (
     resolve_backend,
 )
 from drmas.transports.weights.layout import (
+    DIGEST_BYTES,
     Bucket,
     Header,
     NamedTensors,
@@ -121,12 +123,16 @@ class WeightSender:
         *,
         specs: Sequence[TensorSpec] | None = None,
         peers: Sequence[str] = (),
+        token: str = "",
     ) -> PublishStats:
         """Broadcast `named_tensors` to ranks 1..world_size-1 of group `group_name`: the
         group of the previous publish when the name is the same, else a new one.
 
         `specs` (name, shape, dtype of every tensor, in order) lets the header go out before
         the first tensor is gathered; without it the tensors are materialised first.
+        `token`: the group's token from the broker's plan; every member proves it holds it
+        before the header goes out ("" = no check, a broker that hands out none).
+        With weights.verify_digest a digest of every byte sent follows the last bucket.
         Raises WeightSyncTimeout/WeightSyncError and aborts the group; a group that went
         through is kept for the next publish.
         """
@@ -136,11 +142,13 @@ class WeightSender:
             materialised = list(named_tensors)
             specs = [spec_of(n, t) for n, t in materialised]
             named_tensors = materialised
-        header = Header(int(self.cfg.bucket_mb * 2**20), list(specs))
+        header = Header(int(self.cfg.bucket_mb * 2**20), list(specs), self.cfg.verify_digest)
         buckets = plan_buckets(header.tensors, header.bucket_bytes)
         who = ", ".join(peers) if peers else f"ranks 1..{world_size - 1}"
         group, reused = self._group(group_name, Where(group_name, 0, world_size, timeout_s, who))
         try:
+            if token:
+                group.authenticate(token)
             length, payload = encode_header(header, self.device)
             group.broadcast(length, "header length")
             group.broadcast(payload, "header")
@@ -171,11 +179,14 @@ class WeightSender:
         where = {i: (b, off) for b, bucket in enumerate(buckets) for i, off, _ in bucket.members}
         pipeline = Pipeline(group, lambda t: self._buffers.give(t, header.bucket_bytes))
         filling: dict[int, torch.Tensor] = {}
+        digest = Digest() if header.digest else None
         next_bucket, sent, count = 0, 0, 0
         for i, (name, tensor) in enumerate(named_tensors):
             if i >= len(specs) or spec_of(name, tensor) != specs[i]:
                 got = spec_of(name, tensor)
                 raise WeightSyncError(f"tensor {i} is {got}, header said {specs[i : i + 1]}")
+            if digest is not None:
+                digest.add(name, tensor)
             b, offset = where[i]
             bucket = buckets[b]
             flat = tensor.detach().reshape(-1).to(self.device)
@@ -195,4 +206,8 @@ class WeightSender:
         pipeline.drain()
         if count != len(specs):
             raise WeightSyncError(f"got {count} tensors, header announced {len(specs)}")
+        if digest is not None:
+            trailer = digest.hexdigest().encode().ljust(DIGEST_BYTES, b"0")[:DIGEST_BYTES]
+            data = torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(self.device)
+            group.broadcast(data, "digest")
         return sent

@@ -1,0 +1,263 @@
+"""Weights that prove themselves: what a receiver refuses before loading a byte (a header
+that does not cover the engine's parameters, a peer without the group's token) and what
+it refuses before the weights go live (bytes that differ from rank 0's digest), and how
+much it allocates whatever bucket size is announced.
+
+Both ends run in this process over gloo on loopback: the sender (or a rogue rank 0 built
+from the same pieces, to send what an honest sender never would) in a thread, the
+receiver in the test's thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from drmas.config.transport import WeightSyncConfig
+from drmas.protocol.messages import JoinWeightGroup
+from drmas.transports.weights import (
+    MAX_BUCKET_BYTES,
+    Header,
+    TensorSpec,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncError,
+    spec_of,
+)
+from drmas.transports.weights.group import Group, Where
+from drmas.transports.weights.layout import encode_header, expected_of
+
+CPU = torch.device("cpu")
+
+
+def model() -> list[tuple[str, torch.Tensor]]:
+    """Four tensors of two dtypes, values known by hand (i-th tensor filled with i + 1)."""
+    return [
+        ("a.weight", torch.full((4, 4), 1.0)),
+        ("a.bias", torch.full((4,), 2.0)),
+        ("b.weight", torch.full((3, 4), 3.0, dtype=torch.bfloat16)),
+        ("b.bias", torch.full((3,), 4.0)),
+    ]
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn()
+        except Exception as exc:  # the test inspects it
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def join(sender: WeightSender, name: str, token: str = "", timeout_s: float = 10.0):
+    return JoinWeightGroup("m", 1, name, sender.store_address, 1, 2, timeout_s, token)
+
+
+def receive(receiver: WeightReceiver, j: JoinWeightGroup, expected=None):
+    """(tensors loaded, in order of arrival, as copies; the error raised or None)."""
+    loaded: list[tuple[str, torch.Tensor]] = []
+
+    def load(batch) -> None:
+        loaded.extend((name, t.clone()) for name, t in batch)
+
+    try:
+        receiver.receive_into(j, load, expected)
+    except WeightSyncError as exc:
+        return loaded, exc
+    return loaded, None
+
+
+def rogue_rank0(
+    sender: WeightSender,
+    name: str,
+    header: Header,
+    buckets: list[torch.Tensor],
+    token: str = "",
+) -> None:
+    """What a rank 0 could send that WeightSender never does: any header, any buckets."""
+    store = dist.PrefixStore(name, sender.store)
+    store.set("backend", "gloo")
+    group = Group(Where(name, 0, 2, 5.0, "rank 1"), store, "gloo", CPU)
+    try:
+        if token:
+            group.authenticate(token)
+        length, payload = encode_header(header, CPU)
+        group.broadcast(length, "header length")
+        group.broadcast(payload, "header")
+        for i, bucket in enumerate(buckets):
+            group.broadcast(bucket, f"bucket {i}")
+    finally:
+        group.close(ok=False)
+
+
+@pytest.fixture
+def sender():
+    s = WeightSender(WeightSyncConfig(host="127.0.0.1", timeout_s=10.0))
+    yield s
+    s.close()
+
+
+def test_an_honest_publish_with_token_digest_and_expectation_arrives_whole(sender) -> None:
+    state = model()
+    receiver = WeightReceiver()
+    thread, out = in_thread(lambda: sender.publish("g1", 2, state, 10.0, token="t0k"))
+    loaded, error = receive(receiver, join(sender, "g1", "t0k"), expected_of(state, "m"))
+    thread.join(30)
+    receiver.close()
+    assert error is None and "error" not in out
+    # bf16 bucket first: its last member (index 2) comes before the fp32 bucket's (3)
+    assert [n for n, _ in loaded] == ["b.weight", "a.weight", "a.bias", "b.bias"]
+    got = dict(loaded)
+    for name, tensor in state:
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
+
+
+def test_a_header_naming_one_of_four_tensors_filled_with_nan_is_refused_unloaded(
+    sender,
+) -> None:
+    """The attack: rank 0 announces only a.weight, full of NaN. Without an expectation it
+    would be loaded and the rest of the model left as it was; with one it is refused
+    before any bucket arrives."""
+    header = Header(2**20, [TensorSpec("a.weight", (4, 4), "float32")])
+    nan = torch.full((16,), float("nan"))
+    thread, _ = in_thread(lambda: rogue_rank0(sender, "g2", header, [nan]))
+    receiver = WeightReceiver()
+    loaded, error = receive(receiver, join(sender, "g2"), expected_of(model(), "every param"))
+    thread.join(30)
+    receiver.close()
+    assert loaded == []  # not one byte reached the engine
+    assert isinstance(error, WeightSyncError)
+    assert "missing 3" in str(error) and "'a.bias'" in str(error)
+
+
+@pytest.mark.parametrize(
+    "specs, match",
+    [
+        ([("a.weight", (4, 4), "float32"), ("a.bias", (4,), "float32")], "missing 2"),
+        (
+            [(n, tuple(t.shape), spec_of(n, t).dtype) for n, t in model()]
+            + [("c.weight", (2,), "float32")],
+            "unknown 1",
+        ),
+        (
+            [(n, tuple(t.shape), spec_of(n, t).dtype) for n, t in model()]
+            + [("a.bias", (4,), "float32")],
+            "repeated 1",
+        ),
+        (
+            [("a.weight", (16,), "float32")]
+            + [(n, tuple(t.shape), spec_of(n, t).dtype) for n, t in model()[1:]],
+            "engine holds float32 \\(4, 4\\)",
+        ),
+        (
+            [("a.weight", (4, 4), "int64")]
+            + [(n, tuple(t.shape), spec_of(n, t).dtype) for n, t in model()[1:]],
+            "announced as int64",
+        ),
+    ],
+)
+def test_the_coverage_check_refuses_partial_extra_repeated_and_misshapen_headers(
+    specs, match
+) -> None:
+    from drmas.transports.weights.layout import check_covers
+
+    header = Header(2**20, [TensorSpec(*s) for s in specs])
+    with pytest.raises(WeightSyncError, match=match):
+        check_covers(header, expected_of(model(), "every parameter"), "g")
+    # a float tensor may arrive in another float dtype (the engine casts on copy)
+    cast = Header(2**20, [TensorSpec(n, tuple(t.shape), "bfloat16") for n, t in model()])
+    check_covers(cast, expected_of(model(), "every parameter"), "g")
+
+
+def test_tampered_bytes_are_refused_before_going_live(sender, monkeypatch) -> None:
+    """Bytes changed after rank 0 fingerprinted them: every bucket arrives, then the digest
+    trailer disagrees and the receive raises, so the caller rolls back or quarantines."""
+    import drmas.transports.weights.sender as sender_module
+    from drmas.transports.weights.group import Pipeline
+
+    class Tampering(Pipeline):
+        def push(self, tensor: torch.Tensor, what: str) -> None:
+            tensor = tensor.clone()
+            tensor.view(torch.uint8)[0] ^= 1  # one bit of each bucket on the way
+            super().push(tensor, what)
+
+    monkeypatch.setattr(sender_module, "Pipeline", Tampering)
+    thread, out = in_thread(lambda: sender.publish("g3", 2, model(), 10.0))
+    receiver = WeightReceiver()
+    loaded, error = receive(receiver, join(sender, "g3"), expected_of(model(), "m"))
+    thread.join(30)
+    receiver.close()
+    assert "error" not in out  # rank 0 sent everything as usual
+    assert len(loaded) == 4  # it all arrived (the engine is still paused) ...
+    assert isinstance(error, WeightSyncError) and "digest" in str(error)  # ... and is refused
+    assert "not making them live" in str(error)
+
+
+def test_a_non_member_without_the_token_gets_no_weights(sender) -> None:
+    """A peer that reached the store joins as rank 1 with a guessed token: rank 0 finds out
+    from its answer to the challenge and sends nothing; the publish fails, naming why."""
+    state = model()
+    thread, out = in_thread(lambda: sender.publish("g4", 2, state, 10.0, token="secret"))
+    intruder = WeightReceiver()
+    loaded, error = receive(intruder, join(sender, "g4", "guessed", timeout_s=5.0))
+    thread.join(30)
+    intruder.close()
+    assert loaded == [] and error is not None
+    assert isinstance(out.get("error"), WeightSyncError)
+    assert "did not prove the group's token" in str(out["error"])
+    assert "[1]" in str(out["error"])
+
+
+def test_the_store_lists_keys_but_the_token_is_never_in_it(sender) -> None:
+    """What a peer that reaches the store can read: group keys, never the token."""
+    thread, out = in_thread(lambda: sender.publish("g5", 2, model(), 10.0, token="s3cr3t"))
+    receiver = WeightReceiver()
+    _, error = receive(receiver, join(sender, "g5", "s3cr3t"))
+    thread.join(30)
+    assert error is None and "error" not in out
+    client = dist.TCPStore("127.0.0.1", sender.store.port, is_master=False, wait_for_workers=False)
+    keys = client.list_keys() if hasattr(client, "list_keys") else []
+    for key in keys:
+        assert b"s3cr3t" not in client.get(key)
+    receiver.close()
+
+
+def test_an_oversized_bucket_announce_allocates_no_more_than_the_model(sender) -> None:
+    """rank 0 announces the largest bucket allowed (8 GiB) for a 256-byte model: the
+    receiver's buffers hold at most the 256 bytes the header's tensors add up to."""
+    specs = [TensorSpec(f"w{i}", (4, 4), "float32") for i in range(4)]
+    header = Header(MAX_BUCKET_BYTES, specs)
+    flat = torch.arange(64, dtype=torch.float32)  # one bucket: all four, in order
+    thread, _ = in_thread(lambda: rogue_rank0(sender, "g6", header, [flat]))
+    receiver = WeightReceiver()
+    allocated: list[int] = []
+    take = receiver._buffers.take
+
+    def spy(dtype: str, numel: int, bucket_bytes: int) -> torch.Tensor:
+        buffer = take(dtype, numel, bucket_bytes)
+        allocated.append(buffer.untyped_storage().nbytes())
+        return buffer
+
+    receiver._buffers.take = spy  # type: ignore[method-assign]
+    loaded, error = receive(receiver, join(sender, "g6"))
+    thread.join(30)
+    receiver.close()
+    assert error is None and len(loaded) == 4
+    assert allocated == [4 * 16 * 4]  # 256 bytes, not 8 GiB
+    assert torch.equal(dict(loaded)["w3"].reshape(-1), torch.arange(48, 64, dtype=torch.float32))
+    with pytest.raises(WeightSyncError, match="at most"):
+        from drmas.transports.weights import decode_header
+
+        decode_header(
+            encode_header(Header(MAX_BUCKET_BYTES + 1, specs), CPU)[1].numpy().tobytes(), "g"
+        )
