@@ -331,6 +331,24 @@ class ModelBuffer:
         self.batches_cut += 1
         return batch
 
+    def refusal(self, rank: int, version: int, current: int) -> str:
+        """Why rank `rank` may not ask for the batch of `version` while the model is at
+        `current` ("" = it may; the gate asks). Only rank 0 moves a version. A version the
+        model has moved past is served only while its batch is still cut: cut again, its
+        groups would sit in a batch no learner trains, and the next step report would
+        count them as trained."""
+        if version < current and version not in self.cut:
+            return (
+                f"batch for {self.model} v{version}, but {self.model} is at v{current}: that "
+                "batch was trained (or never cut) and is not cut again"
+            )
+        if version > current and rank != 0:
+            return (
+                f"rank {rank} asks for {self.model} v{version} while it is at v{current}: "
+                "only rank 0 moves a version"
+            )
+        return ""
+
     def untrained_groups(self) -> dict[int, str]:
         """Group id -> task id of every slice buffered, or cut into a batch not trained yet."""
         parts = [*self.slices, *(p for b in self.cut.values() for p in b.slices)]

@@ -23,20 +23,30 @@ Roles, bound at Hello and fixed for the connection's client id:
                              StepReport(m), PublishRequest(m), PublishDone(m)
     observer (`client`)      StatusRequest only (also allowed before any Hello)
 
-With CURVE, each key may be bound to one role (`drmas keys --clients NAME:ROLE`): the
-broker reads the key of every message (its ZAP User-Id) and refuses a Hello, or any later
-message, whose role that key does not allow, so a stolen observer key cannot train,
-publish or take over an actor's id.
+A learner's (model, rank) seat belongs to the id holding it until Goodbye or
+broker.learner_timeout_s of silence: a second claimant is refused (`forbidden`), never
+swapped in (drmas/broker/seats.py).
 
-Versions: a learner reports the next version (current + 1, never beyond train.steps);
-it publishes the version it has trained; an actor can hold at most what was published,
-and a step it generated carries at most that.
+With CURVE, every key is bound (`drmas keys`, authorized/roles.json): to one role, to the
+learner role for some models only, or to any role. The broker reads the key of every
+message (its ZAP User-Id) and refuses a Hello, or any later message, that its key's
+binding does not allow, so a stolen observer key cannot train or publish, and a key bound
+to one model's learners cannot take another model's seat. A key with no binding gets
+nothing, not even status.
+
+Versions: only rank 0 moves a model's version (its step report: the next version, never
+beyond train.steps); a rank asks for the batch of the version the model is at, rank 0
+also for the next one, and a version the model has moved past only while its batch is
+still cut (drmas/broker/buffers.py: no batch is cut twice or for a version no learner
+trains). A learner publishes the version it has trained; an actor can hold at most what
+was published, and a step it generated carries at most that.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
@@ -90,6 +100,11 @@ ALLOWED: dict[type, frozenset[str]] = {
 """Message type -> roles that may send it (Hello and StatusRequest: anyone)."""
 
 RANK0_ONLY = (StepReport, PublishRequest, PublishDone)
+
+UNBOUND_KEY = (
+    "this client's CURVE key has no binding in authorized/roles.json, so it may take no "
+    "role; bind it with `drmas keys DIR --clients NAME:ROLE --force` (or add it there)"
+)
 
 
 @dataclass(frozen=True)
@@ -167,15 +182,18 @@ class Gate:
 
     def admit(self, cid: str, msg: ToBroker, key_roles: frozenset[str] | None = None) -> Admitted:
         """`msg` from client id `cid` if it may send it with these fields; else raises
-        ProtocolError. `key_roles`: with CURVE, the roles the sender's key may take."""
+        ProtocolError. `key_roles`: with CURVE, what the sender's key is bound to (see
+        `check_key`)."""
         if isinstance(msg, Hello):
-            self.check_key(msg.role, key_roles)
+            self.check_key(msg.role, key_roles, msg.models)
             self.check_hello(cid, msg)
             return Admitted(None)
         if isinstance(msg, StatusRequest):
-            return Admitted(None)  # any key: status is read-only
+            if key_roles is not None and not key_roles:
+                _forbidden(UNBOUND_KEY)
+            return Admitted(None)  # any bound key: status is read-only
         who = self._sender_of(cid, msg)
-        self.check_key(who.role, key_roles)
+        self.check_key(who.role, key_roles, who.models)
         if isinstance(msg, LeaseRequest):
             validate.check_lease_request(msg, self.limits)
         if isinstance(msg, GroupResult):
@@ -220,12 +238,15 @@ class Gate:
             if not (1 <= msg.world_size <= MAX_LEARNER_RANKS):
                 _invalid(f"learner world size {msg.world_size} outside 1..{MAX_LEARNER_RANKS}")
             model = msg.models[0]
-            sizes = {r.world_size for c, r in st.learners.items() if r.model == model and c != cid}
+            sizes = st.learners.world_sizes(model, cid)
             if sizes and sizes != {msg.world_size}:
                 _invalid(
                     f"{model} rank {msg.rank} says world size {msg.world_size}, its other ranks "
                     f"said {sorted(sizes)}: every rank of a learner group must agree"
                 )
+            why = st.learners.refusal(cid, model, msg.rank)
+            if why:
+                _forbidden(why)
         if (
             msg.role == "actor"
             and current is None
@@ -237,11 +258,25 @@ class Gate:
             )
 
     @staticmethod
-    def check_key(role: str, key_roles: frozenset[str] | None) -> None:
-        """With CURVE, the sender's key must allow `role` (None: no CURVE, nothing to check)."""
-        if key_roles is not None and role not in key_roles:
+    def check_key(role: str, key_roles: frozenset[str] | None, models: Sequence[str] = ()) -> None:
+        """With CURVE, the sender's key must allow `role` (None: no CURVE, nothing to check).
+        `key_roles` holds the Hello roles the key may take ("actor", "learner", "client");
+        "learner:<model>" allows the learner role for that model only
+        (drmas/transports/security.py reads them from authorized/roles.json)."""
+        if key_roles is None or role in key_roles:
+            return
+        if not key_roles:
+            _forbidden(UNBOUND_KEY)
+        bound = sorted(g.partition(":")[2] for g in key_roles if g.startswith("learner:"))
+        if role != "learner" or not bound:
             shown = "observer" if role == "client" else role
             _forbidden(f"this client's CURVE key is not allowed the {shown} role")
+        other = [m for m in models if m not in bound]
+        if other:
+            _forbidden(
+                f"this client's CURVE key is bound to the learners of {bound}, not of "
+                f"{clip(other, 64)}"
+            )
 
     # ------------------------------------------------------------- messages
     def sender(self, cid: str) -> Sender | None:
@@ -327,11 +362,14 @@ class Gate:
     def _BatchRequest(self, who: Sender, msg: BatchRequest) -> None:
         self._own_rank(who, msg.model, msg.rank, msg.world_size)
         current = self.state.versions[msg.model]
-        if not (max(0, current - 1) <= msg.version <= min(current + 1, self._steps)):
+        if not (0 <= msg.version <= min(current + 1, self._steps)):
             _invalid(
                 f"batch for {msg.model} v{msg.version}; the learner is at v{current} "
                 f"(train.steps={self._steps})"
             )
+        why = self.state.buffers[msg.model].refusal(msg.rank, msg.version, current)
+        if why:
+            _invalid(why)
         self.state.adapter_versions.check(msg.model, msg.version, msg.adapter_versions)
 
     def _StepReport(self, who: Sender, msg: StepReport) -> None:

@@ -3,7 +3,8 @@ message it passes on has been admitted by drmas/broker/gate.py first, and nothin
 changes before that).
 
 Owns, one component per concern:
-- membership and leases: `table` (drmas/broker/leases.py: actors, leases) and `learners`;
+- membership and leases: `table` (drmas/broker/leases.py: actors, leases) and `learners`
+  (drmas/broker/seats.py: one id per (model, rank) seat, held until Goodbye or timeout);
 - the task source and validation rounds: `validation` (drmas/broker/evaluation.py);
 - one buffer per model (drmas/broker/buffers.py), cut into batches;
 - weight publishing and digests: `weights` (drmas/broker/publishing.py);
@@ -34,9 +35,10 @@ from typing import Any
 from drmas.broker.adapter_versions import AdapterVersions
 from drmas.broker.buffers import ModelBuffer, split_group
 from drmas.broker.evaluation import Validation
-from drmas.broker.leases import ActorRecord, LearnerRecord, LeaseRecord, LeaseTable
+from drmas.broker.leases import ActorRecord, LeaseRecord, LeaseTable
 from drmas.broker.metrics import NullSink, StepMetrics
 from drmas.broker.publishing import WeightPublishing
+from drmas.broker.seats import LearnerSeats
 from drmas.broker.variation import ZeroVarianceFilter
 from drmas.config import DrmasConfig
 from drmas.protocol import ProtocolError
@@ -85,7 +87,7 @@ class BrokerState:
             for m in self.models
         }
         self.versions = dict.fromkeys(self.models, 0)
-        self.learners: dict[str, LearnerRecord] = {}  # client id -> its model, rank, last seen
+        self.learners = LearnerSeats(cfg.broker.learner_timeout_s)  # client id -> its seat
         self.metrics = metrics or StepMetrics(NullSink(), self.models)
         self.counters: collections.Counter[str] = collections.Counter()
         self.zero_variance = ZeroVarianceFilter(cfg, self.counters)
@@ -132,13 +134,9 @@ class BrokerState:
     def add_learner(
         self, client_id: str, model: str, rank: int, world_size: int, now: float
     ) -> None:
-        """Register a learner rank. One id per (model, rank): a rank that restarts under a
-        new id replaces the old registration, so registrations stay bounded."""
-        for cid, old in list(self.learners.items()):
-            if cid != client_id and (old.model, old.rank) == (model, rank):
-                del self.learners[cid]
-                self.counters["learners_replaced"] += 1
-        self.learners[client_id] = LearnerRecord(model, rank, world_size, now)
+        """Seat a learner rank (the gate has checked `learners.refusal`: a held seat is
+        never taken over; raises ValueError if not)."""
+        self.learners.add(client_id, model, rank, world_size, now)
 
     def seen(self, client_id: str, now: float, versions: dict[str, int] | None = None) -> bool:
         actor = self.table.actors.get(client_id)
@@ -189,24 +187,12 @@ class BrokerState:
             record = self.table.close(lease_id)
             self._requeue(record.task, record.eval_round)
             self.counters["leases_expired"] += 1
-        # Learners send heartbeats between micro-batches and can be blocked for up to
-        # weights.timeout_s in a weight-group rendezvous: they are dropped only after the
-        # much longer broker.learner_timeout_s (see also active_learners()).
-        for cid in [
-            c
-            for c, r in self.learners.items()
-            if now - r.last_seen > self.cfg.broker.learner_timeout_s
-        ]:
-            del self.learners[cid]
-            self.counters["learners_lost"] += 1
-            log.warning(
-                "learner %s silent for %.0f s: dropped", cid, self.cfg.broker.learner_timeout_s
-            )
+        self.learners.reap(now, self.counters)  # after broker.learner_timeout_s of silence
 
     def active_learners(self, now: float) -> int:
         """Learner ranks heard from recently enough to still be working (or saying goodbye)."""
         grace = self.cfg.broker.heartbeat_timeout_s + self.cfg.weights.timeout_s
-        return sum(now - r.last_seen <= grace for r in self.learners.values())
+        return self.learners.active(now, grace)
 
     def _requeue(self, task: Task, eval_round: int | None) -> None:
         if eval_round is None:
@@ -363,7 +349,11 @@ class BrokerState:
     def batch(
         self, model: str, rank: int, world_size: int, version: int, now: float
     ) -> BatchShard | NoBatch:
-        self.versions[model] = max(self.versions[model], version)
+        """This rank's shard of the batch for `version`, cut on first ask (the gate has
+        checked the buffer's `refusal`). Rank 0 asking for a newer version has trained the
+        one before it: only rank 0 moves the model's version."""
+        if rank == 0:
+            self.versions[model] = max(self.versions[model], version)
         if version >= self.cfg.train.steps:
             return NoBatch(retry_after_s=0.0, reason="train.steps reached", done=True)
         buf = self.buffers[model]

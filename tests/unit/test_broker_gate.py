@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import selectors
 import socket
 import time
@@ -26,6 +27,7 @@ from drmas.protocol.codec import ProtocolError, decode_to_broker
 from drmas.protocol.messages import (
     Accepted,
     BatchRequest,
+    BatchShard,
     Episode,
     ErrorReply,
     Goodbye,
@@ -224,15 +226,142 @@ def test_observers_only_read_status(server: BrokerServer) -> None:
 
 # ----------------------------------------------------------------- bounds
 def test_learner_registrations_stay_one_per_rank(server: BrokerServer) -> None:
+    holder = Peer(server, "L")
+    assert isinstance(holder.hello("learner", ["solver"], rank=0, world_size=2), Welcome)
     for i in range(100):
-        peer = Peer(server, f"L{i}")  # a rank restarting under new ids
-        assert isinstance(peer.hello("learner", ["solver"], rank=0, world_size=2), Welcome)
+        peer = Peer(server, f"L{i}")  # new ids claiming the held seat
+        assert refused(peer.hello("learner", ["solver"], rank=0, world_size=2), "forbidden")
         peer.close()
-    assert len(server.state.learners) == 1
-    assert server.state.counters["learners_replaced"] == 99
+    assert list(server.state.learners) == ["L"]
+    assert server.state.counters["refused/forbidden"] == 100
     odd = Peer(server, "odd")
     assert refused(odd.hello("learner", ["solver"], rank=1, world_size=3), "invalid")
     assert refused(odd.hello("learner", ["solver"], rank=0, world_size=10**6), "invalid")
+
+
+# ------------------------------------------------------------------ seats
+def test_a_held_seat_is_refused_not_swapped_in_until_goodbye_or_timeout(
+    server: BrokerServer,
+) -> None:
+    """Issue #25: a fresh id saying Hello as solver rank 0 replaced the real learner, whose
+    next request was refused as unknown_client, and its PublishRequest then pointed the
+    actors at the intruder's store."""
+    st = server.state
+    real, rank1, actor = Peer(server, "learner-solver-0"), Peer(server, "L1"), Peer(server, "a")
+    assert isinstance(real.hello("learner", ["solver"], rank=0, world_size=2), Welcome)
+    assert isinstance(rank1.hello("learner", ["solver"], rank=1, world_size=2), Welcome)
+    assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
+    intruder = Peer(server, "intruder")
+    for rank in (0, 1):
+        reply = intruder.hello("learner", ["solver"], rank=rank, world_size=2)
+        assert refused(reply, "forbidden") and "is held by" in reply.reason, reply
+    # not registered: everything it sends next is refused, and no actor hears of its store
+    assert refused(intruder.ask(PublishRequest("solver", 0, "10.6.6.6:1")), "unknown_client")
+    assert refused(intruder.ask(BatchRequest("intruder", "solver", 0, 2, 0)), "unknown_client")
+    assert actor.next(0.3) is None and st.counters["weight_publishes"] == 0
+    # the real ranks keep their seats and are served
+    assert sorted(st.learners) == ["L1", "learner-solver-0"]
+    assert isinstance(real.ask(BatchRequest("learner-solver-0", "solver", 0, 2, 0)), NoBatch)
+    # a rank restarting under its own id takes its seat back; a holder cannot change seat
+    assert isinstance(real.hello("learner", ["solver"], rank=0, world_size=2), Welcome)
+    reply = rank1.hello("learner", ["solver"], rank=0, world_size=2)
+    assert refused(reply, "forbidden") and "keeps its seat" in reply.reason
+    # Goodbye frees a seat; so does broker.learner_timeout_s of silence
+    real.send(Goodbye("learner-solver-0"))
+    assert real.next(0.3) is None
+    assert isinstance(intruder.hello("learner", ["solver"], rank=0, world_size=2), Welcome)
+    st.reap(time.monotonic() + server.cfg.broker.learner_timeout_s + 1)
+    assert not st.learners and st.counters["learners_lost"] == 2
+    assert isinstance(
+        Peer(server, "L2").hello("learner", ["solver"], rank=1, world_size=2), Welcome
+    )
+
+
+def test_only_rank_0_moves_a_version(server: BrokerServer) -> None:
+    """Issue #25: eight BatchRequests of rank 1 took the solver from v0 to v6."""
+    st = server.state
+    rank0, rank1 = Peer(server, "L0"), Peer(server, "L1")
+    assert isinstance(rank0.hello("learner", ["solver"], rank=0, world_size=2), Welcome)
+    assert isinstance(rank1.hello("learner", ["solver"], rank=1, world_size=2), Welcome)
+    for _ in range(8):
+        reply = rank1.ask(BatchRequest("L1", "solver", 1, 2, st.versions["solver"] + 1))
+        assert refused(reply, "invalid") and "only rank 0" in reply.reason, reply
+    assert isinstance(rank1.ask(BatchRequest("L1", "solver", 1, 2, 0)), NoBatch)
+    rank1.send(StepReport("solver", 1, {}))
+    assert refused(rank1.next(), "forbidden")
+    assert st.versions == {"solver": 0, "verifier": 0}
+    assert isinstance(rank0.ask(BatchRequest("L0", "solver", 0, 2, 1)), NoBatch)
+    assert st.versions["solver"] == 1  # rank 0 asking for v1 has trained v0
+
+
+def solver_groups(batch: Any) -> list[int]:
+    return [part.group_id for part in batch.slices]
+
+
+def test_an_older_version_is_served_only_while_its_batch_is_still_cut(
+    server: BrokerServer,
+) -> None:
+    """Issue #25: a request for a version the broker had moved past cut a new batch, and
+    the next step report counted it as trained: 6 groups trained, 4 sent. Now it is
+    refused unless that batch is still cut, and trained means sent to the learner."""
+    from tests.unit.test_broker_state import result
+
+    st = server.state
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    for lease in st.lease("a", 6, {}, 0.0).leases:  # (η + 1) · B = 4 groups, 2 batches
+        assert st.accept("a", result(lease), 0.0) == ""
+    buf = st.buffers["solver"]
+    learner = Peer(server, "L")
+    assert isinstance(learner.hello("learner", ["solver"]), Welcome)
+    shard = learner.ask(BatchRequest("L", "solver", 0, 1, 0))
+    assert isinstance(shard, BatchShard) and shard.version == 0
+    sent = {0: solver_groups(buf.cut[0])}
+    learner.send(StepReport("solver", 1, {}))
+    assert learner.next(0.3) is None and st.versions["solver"] == 1
+    reply = learner.ask(BatchRequest("L", "solver", 0, 1, 0))  # v0 again: trained, not re-cut
+    assert refused(reply, "invalid") and "not cut again" in reply.reason
+    assert len(buf.slices) == 2 and not buf.cut and buf.batches_cut == 1
+    shard = learner.ask(BatchRequest("L", "solver", 0, 1, 1))
+    assert isinstance(shard, BatchShard) and shard.version == 1
+    sent[1] = solver_groups(buf.cut[1])
+    assert isinstance(learner.ask(BatchRequest("L", "solver", 0, 1, 2)), NoBatch)  # rank 0 moves
+    again = learner.ask(BatchRequest("L", "solver", 0, 1, 1))  # v1 is still cut: served again
+    assert isinstance(again, BatchShard) and again.samples == shard.samples
+    learner.send(StepReport("solver", 3, {}))
+    assert learner.next(0.3) is None
+    assert st.trained_groups["solver"] == set(sent[0]) | set(sent[1])
+    assert len(st.trained_groups["solver"]) == 4 and not set(sent[0]) & set(sent[1])
+    assert st.counters["groups_trained_twice"] == 0 and st.counters["batches_trained/solver"] == 2
+    assert [e[2] for e in st.trained_log] == [*sent[0], *sent[1]]
+
+
+def test_a_key_binding_allows_its_roles_and_learner_models_only(server: BrokerServer) -> None:
+    """With CURVE the loop passes what the sender's key is bound to (authorized/roles.json,
+    drmas/transports/security.py): roles, "learner:<model>", or nothing at all."""
+    gate = server.gate
+    solver_only = frozenset({"learner:solver"})
+    gate.check_key("learner", solver_only, ["solver"])
+    gate.check_key("learner", frozenset({"learner"}), ["verifier"])  # any model
+    gate.check_key("actor", frozenset({"actor", "learner", "client"}), ["solver", "verifier"])
+    cases = [
+        ("learner", solver_only, ["verifier"], "bound to the learners of ['solver']"),
+        ("actor", solver_only, ["solver", "verifier"], "not allowed the actor role"),
+        ("client", frozenset({"actor"}), [], "not allowed the observer role"),
+        ("learner", frozenset(), ["solver"], "no binding"),
+    ]
+    for role, grants, models, reason in cases:
+        with pytest.raises(ProtocolError, match=re.escape(reason)) as err:
+            gate.check_key(role, grants, models)
+        assert err.value.code == "forbidden"
+    peer = Peer(server, "v")
+    hello = Hello("learner", "v", PROTOCOL_VERSION, ["verifier"])
+    with pytest.raises(ProtocolError, match="not of"):
+        gate.admit("v", hello, solver_only)
+    with pytest.raises(ProtocolError, match="no binding"):  # an unbound key reads nothing
+        gate.admit("v", StatusRequest(), frozenset())
+    assert gate.admit("v", StatusRequest(), frozenset({"actor"})).sender is None
+    assert gate.admit("v", hello, frozenset({"learner:verifier"})).sender is None
+    peer.close()
 
 
 def test_silent_learners_are_reaped(server: BrokerServer) -> None:
