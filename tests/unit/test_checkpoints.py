@@ -1,5 +1,5 @@
 """Checkpoints: atomic folders and rotation, the broker's snapshot/restore, the task cursor,
-and a learner's DCP save/load (one gloo rank in this process)."""
+and a learner's save/load (safetensors + JSON; one gloo rank in this process)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from drmas.tasks.source import TaskSource
 # ---------------------------------------------------------------------- folders
 def fake_checkpoint(model_dir: Path, version: int, *, manifest: bool = True) -> Path:
     tmp = store.begin(model_dir, version)
-    (tmp / "__0_0.distcp").write_bytes(b"x" * (10 + version))
-    (tmp / ".metadata").write_bytes(b"meta")
+    (tmp / "rank-00000.safetensors").write_bytes(b"x" * (10 + version))
+    (tmp / "rank-00000.json").write_bytes(b"meta")
     if not manifest:  # a crash before the manifest: the folder stays a temporary one
         return tmp
     return store.commit(tmp, version, world_size=1)
@@ -36,15 +36,15 @@ def test_only_folders_with_a_complete_manifest_count(tmp_path: Path) -> None:
     fake_checkpoint(model_dir, 4, manifest=False)  # crashed save: .tmp-step-000004
     no_manifest = model_dir / store.step_name(6)  # a step folder without manifest
     no_manifest.mkdir()
-    (no_manifest / "__0_0.distcp").write_bytes(b"x")
+    (no_manifest / "rank-00000.safetensors").write_bytes(b"x")
     truncated = fake_checkpoint(model_dir, 8)
-    (truncated / "__0_0.distcp").write_bytes(b"x")  # a listed file with the wrong size
+    (truncated / "rank-00000.safetensors").write_bytes(b"x")  # a listed file with the wrong size
     assert [c.version for c in store.complete(model_dir)] == [2]
     assert store.latest(model_dir).version == 2  # type: ignore[union-attr]
     assert store.find(model_dir, 4) is None and store.find(model_dir, 6) is None
     manifest = json.loads((model_dir / "step-000002" / store.MANIFEST).read_text())
     assert manifest["version"] == 2 and manifest["world_size"] == 1
-    assert manifest["files"] == {".metadata": 4, "__0_0.distcp": 12}
+    assert manifest["files"] == {"rank-00000.json": 4, "rank-00000.safetensors": 12}
 
 
 def test_rotation_keeps_the_newest_n_and_clears_crashed_saves(tmp_path: Path) -> None:
@@ -183,7 +183,7 @@ def test_rewind_moves_later_metrics_lines_aside(tmp_path: Path) -> None:
     assert kept == [1, 2, 0] and [json.loads(x)["step"] for x in moved] == [3, 4]
 
 
-# ---------------------------------------------------------------------- learner (DCP)
+# ---------------------------------------------------------------------- learner files
 def test_learner_checkpoint_restores_model_optimizer_and_rng(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
@@ -282,7 +282,7 @@ def test_two_rank_learner_checkpoint_restores_every_shard(tmp_path: Path) -> Non
     assert (tmp_path / "ok-0").exists() and (tmp_path / "ok-1").exists()
     manifest = store.read_manifest(tmp_path / "ckpt" / "policy" / "step-000001")
     assert manifest is not None and sorted(manifest["files"]) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "rng-rank0.pt", "rng-rank1.pt"
+        "rank-00000.json", "rank-00000.safetensors", "rank-00001.json", "rank-00001.safetensors"
     ]  # fmt: skip
 
 
@@ -291,19 +291,19 @@ def test_rng_state_round_trips_without_pickle(tmp_path: Path) -> None:
 
     import numpy as np
     import torch
+    from safetensors.torch import load_file, save_file
 
     from drmas.learners.checkpoint import rng_state, set_rng_state
 
     cpu = torch.device("cpu")
     random.gauss(0, 1)  # a cached gaussian is part of the state too
-    torch.save(rng_state(cpu), tmp_path / "rng.pt")
+    tensors, numbers = rng_state(cpu)
+    save_file(tensors, tmp_path / "rng.safetensors")  # tensors: raw bytes
+    (tmp_path / "rng.json").write_text(json.dumps(numbers))  # the rest: JSON numbers
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
-    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True), cpu)  # no pickle
+    loaded = load_file(tmp_path / "rng.safetensors")
+    set_rng_state(loaded, json.loads((tmp_path / "rng.json").read_text()), cpu)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
-    evil = {"torch": torch.get_rng_state(), "python": np.zeros(3)}  # needs pickle to load
-    torch.save(evil, tmp_path / "evil.pt")
-    with pytest.raises(Exception, match="Weights only load failed"):
-        torch.load(tmp_path / "evil.pt", weights_only=True)
 
 
 def test_models_resumed_at_different_versions_get_every_step_line_again(tmp_path: Path) -> None:
