@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 
 from drmas.actors.engines import ReceivesWeights, RollsBack, make_engine
 from drmas.actors.engines.base import Engine
+from drmas.actors.failures import STOP_EXIT_CODE, Failure, FailureWatch, report_path
 from drmas.actors.timebook import TimeBook
 from drmas.config import DrmasConfig
 from drmas.config.model import weights_dtype
@@ -62,6 +64,8 @@ REQUEST_ATTEMPTS = 4
 a broker stalled for up to ~2 minutes loses no actor."""
 GOODBYE_LINGER_MS = 2000
 """Longest wait on exit for the Goodbye to reach the broker."""
+REASON_CHARS = 300
+"""A handed-back lease's reason is clipped to this (the log has the whole error)."""
 
 
 def _fault_kill_mid_sync(join: JoinWeightGroup) -> None:
@@ -107,6 +111,14 @@ class Actor:
         self.stopping = ""
         self.heartbeat_s = cfg.broker.heartbeat_interval_s
         self.book = TimeBook()
+        self.failures = FailureWatch(
+            cfg.workflow.name,
+            actor_id,
+            cfg.actor.max_failed_groups,
+            report_path(cfg.run.dir, actor_id),
+        )
+        self.gave_up: Failure | None = None
+        """Set when the team failed actor.max_failed_groups groups in a row: the actor stops."""
 
     # ----------------------------------------------------------------- setup
     async def start(self) -> None:
@@ -124,6 +136,7 @@ class Actor:
         tokenizers = {m: e.tokenizer for m, e in self.engines.items()}
         agent_models = {a: self.cfg.model_of(a) for a in self.cfg.agents}
         self.workflow = make_workflow(self.cfg, agent_models, self.engines, tokenizers)
+        self.failures.team = self.workflow.name
         welcome = self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
         self.heartbeat_s = welcome.heartbeat_interval_s
         log.info("actor %s serving %s (run %s)", self.id, self.models, welcome.run_id)
@@ -234,12 +247,14 @@ class Actor:
             task = self.running.pop(lease_id)
             lease = self.leases.pop(lease_id)
             seconds = time.monotonic() - self.started_at.pop(lease_id)
-            if task.exception() is not None:
-                log.error(
-                    "group %d failed: %r; handing the lease back", lease.group_id, task.exception()
-                )
-                self.client.send(LeaseReturn(self.id, [lease_id], repr(task.exception())))
+            exc = task.exception()
+            if exc is not None:  # the team's code raised: the group is tried again elsewhere
+                self.client.send(LeaseReturn(self.id, [lease_id], repr(exc)[:REASON_CHARS]))
+                if self.failures.failed(exc, lease.group_id):
+                    self.give_up()
+                    return
                 continue
+            self.failures.succeeded()
             result = pack_group(self.id, lease_id, lease.group_id, task.result(), seconds)
             try:
                 ack = await self.ask(result, Accepted)
@@ -252,6 +267,14 @@ class Actor:
                 raise
             if not ack.accepted:
                 log.warning("group %d not accepted: %s", lease.group_id, ack.reason)
+
+    def give_up(self) -> None:
+        """The team failed actor.max_failed_groups groups in a row: stop (the groups still
+        running are handed back with the Goodbye) and say why; the exit code tells `drmas
+        train` to stop the run."""
+        self.gave_up = self.failures.gave_up()
+        self.stopping = f"the {self.gave_up.team} team keeps failing"
+        log.error("stopping: %s", self.gave_up.stop_message())
 
     async def sync_weights(self) -> None:
         """Receive pending weight publishes in arrival order, each at a safe point.
@@ -394,8 +417,10 @@ def default_actor_id() -> str:
     return f"actor-{socket.gethostname()}-{os.getpid()}"
 
 
-def run_actor(cfg: DrmasConfig, actor_id: str = "") -> None:
-    """Entry point of `drmas actor`: run until the broker says Shutdown, or SIGTERM/SIGINT."""
+def run_actor(cfg: DrmasConfig, actor_id: str = "") -> int:
+    """Entry point of `drmas actor`: run until the broker says Shutdown, or SIGTERM/SIGINT
+    (exit code 0), or until the team's code failed actor.max_failed_groups groups in a row
+    (STOP_EXIT_CODE)."""
     import torch
 
     torch.set_num_threads(env_threads() or 1)
@@ -407,3 +432,7 @@ def run_actor(cfg: DrmasConfig, actor_id: str = "") -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     asyncio.run(actor.run())
+    if actor.gave_up is not None:
+        print(f"drmas actor: {actor.gave_up.stop_message()}", file=sys.stderr, flush=True)
+        return STOP_EXIT_CODE
+    return 0

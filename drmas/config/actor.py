@@ -138,6 +138,10 @@ class ActorConfig:
     """Models this actor serves; None = all of the run's models."""
     max_groups: Positive = 8
     """Leased groups held at once (their episodes are batched together)."""
+    max_failed_groups: NonNegative = 20
+    """Groups whose team code (run_episode, a tool, the reward) raised, in a row with no
+    success between, after which the actor stops with the team's error (and `drmas train`
+    stops the run); each failed group's lease is handed back. 0 = never stop."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine of every pool on this actor unless `pools` names the pool's model."""
     pools: dict[str, EngineConfig] = field(default_factory=dict)

@@ -143,8 +143,7 @@ def _broker(args: argparse.Namespace, cfg: DrmasConfig) -> int:
 def _actor(args: argparse.Namespace, cfg: DrmasConfig) -> int:
     from drmas.actors.main import run_actor
 
-    run_actor(cfg, args.id)
-    return 0
+    return run_actor(cfg, args.id)
 
 
 def _learner(args: argparse.Namespace, cfg: DrmasConfig) -> int:

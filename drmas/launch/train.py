@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 from drmas.config import ConfigError, DrmasConfig, to_yaml
 from drmas.launch.placement import Placement, adapter_plan, plan_placement, visible_gpus
 from drmas.launch.progress import Progress
-from drmas.launch.supervisor import Supervisor
+from drmas.launch.supervisor import Child, Supervisor
+from drmas.launch.team_failures import FailureReports
 from drmas.teams.resolve import resolve
 from drmas.threads import env_threads
 from drmas.transports.ports import free_port
@@ -277,7 +278,7 @@ def run_children(cfg: DrmasConfig, run_dir: Path, placement: Placement | None) -
     progress = Progress(run_dir, list(cfg.agents), cfg.train.steps, enabled=cfg.train.progress)
     try:
         start_children(cfg, run_dir, sup, placement)
-        code = _watch(sup, progress, signals)
+        code = _watch(sup, progress, signals, FailureReports(run_dir / "logs"))
         if code == 0:
             _await_broker(sup, progress, timeout_s=120.0)
     finally:
@@ -286,17 +287,15 @@ def run_children(cfg: DrmasConfig, run_dir: Path, placement: Placement | None) -
     return code
 
 
-def _watch(sup: Supervisor, progress: Progress, signals: list[int]) -> int:
-    """Until the learners are done (0), a child fails (1) or a signal arrives (130)."""
+def _watch(sup: Supervisor, progress: Progress, signals: list[int], reports: FailureReports) -> int:
+    """Until the learners are done (0), a child fails (1) or a signal arrives (130). The
+    team's failures the actors report are printed as they come."""
     while True:
         progress.update()
+        reports.poll()
         failed = sup.failed()
         if failed is not None:
-            print(
-                f"drmas train: {failed.name} exited with code {failed.proc.returncode}; stopping "
-                f"the run. Last lines of {failed.log_path}:\n{failed.tail()}",
-                file=sys.stderr,
-            )
+            print(_failed_message(failed, reports), file=sys.stderr, flush=True)
             return 1
         if signals:
             print("drmas train: interrupted; stopping all processes", file=sys.stderr)
@@ -304,6 +303,22 @@ def _watch(sup: Supervisor, progress: Progress, signals: list[int]) -> int:
         if not sup.alive("learner"):
             return 0  # every learner finished its steps and saved its weights
         time.sleep(0.2)
+
+
+def _failed_message(child: Child, reports: FailureReports) -> str:
+    """Why the run stops: an actor that gave up on its team says so (its traceback was
+    printed already); any other child shows the last lines of its log."""
+    code = child.proc.returncode
+    failure = reports.gave_up(child.name) if child.role == "actor" else None
+    if failure is not None:
+        return (
+            f"drmas train: {child.name} stopped (exit code {code}): {failure.stop_message()} "
+            f"Stopping the run; the actor's log: {child.log_path}"
+        )
+    return (
+        f"drmas train: {child.name} exited with code {code}; stopping the run. "
+        f"Last lines of {child.log_path}:\n{child.tail()}"
+    )
 
 
 def _await_broker(sup: Supervisor, progress: Progress, timeout_s: float) -> None:

@@ -283,7 +283,11 @@ class Team:
         tool, argument = found
         if tool not in self.tool_fns:
             raise RuntimeError(f"{self.name} team parsed a call of tool {tool!r}, which it lacks")
-        result = await self.tool_fns[tool](argument)
+        try:
+            result = await self.tool_fns[tool](argument)
+        except Exception as exc:  # the actor counts it as the team's failure: say which tool
+            exc.add_note(f"raised by the {self.name} team's tool {tool!r}, argument {argument!r}")
+            raise
         shown = result if isinstance(result, str) else str(result)
         turns.append((self.result_keys.get(tool, tool), shown))
         return ToolStep(text, step, tool, argument, shown)
@@ -305,7 +309,11 @@ class Team:
     def reward(self, task: Task, answer: str | None) -> float:
         """The episode's reward: `workflow.reward` when set, else the team's `score`."""
         if self._reward is not None:
-            value = float(self._reward(task, answer))
+            try:
+                value = float(self._reward(task, answer))
+            except Exception as exc:  # the actor counts it as the team's failure: say whose
+                exc.add_note(f"raised by workflow.reward={self.cfg.reward}")
+                raise
             if value != value or value in (float("inf"), float("-inf")):
                 raise ValueError(f"workflow.reward returned {value} for task {task.task_id}")
             return value
