@@ -18,7 +18,7 @@ team sets Step.reward: drmas/launch/eval_rewards.py).
 Writes JSON (RUN_DIR/eval.json by default) and prints a table. The defaults are the
 paper's evaluation settings: temperature 0.6, top-p 0.95, k = 16.
 
-A learner checkpoint (sharded torch.distributed.checkpoint files) is first exported to a
+A learner checkpoint (safetensors shards and JSON, read without pickle) is first exported to a
 Hugging Face folder next to it (step-N/hf), built on the run's starting model folder; on a
 LoRA base the checkpoint holds only the adapters, exported as PEFT folders
 (step-N/adapters/<adapter>/) which the engines load onto the run's base, as a run's final
@@ -202,13 +202,15 @@ def adapter_tensors(folder: Path, adapter: str) -> list[tuple[str, Any]]:
 
 def export_checkpoint(cfg: DrmasConfig, model: str, checkpoint: Path) -> Path:
     """A learner checkpoint as a Hugging Face folder (checkpoint/hf): the run's starting
-    model with the checkpoint's weights (the optimizer state is not read)."""
+    model with the checkpoint's weights (the optimizer state is not read). The checkpoint's
+    files are safetensors and JSON (drmas/checkpoints/tensors.py); nothing is unpickled."""
     out = checkpoint / "hf"
     if (out / "config.json").is_file():
-        return out
+        return _exported(out, "*.safetensors")
     import torch
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from drmas.checkpoints.tensors import full_tensors
 
     base = cfg.models[model].path
     if base.startswith("builtin:") or not Path(base).is_dir():
@@ -218,13 +220,35 @@ def export_checkpoint(cfg: DrmasConfig, model: str, checkpoint: Path) -> Path:
         )
     net = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
     state = net.state_dict()
-    dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
-    net.load_state_dict(state)
+    saved = full_tensors(checkpoint, lambda key: key.startswith("model/"))
+    missing = sorted(name for name in state if f"model/{name}" not in saved)
+    if missing:
+        raise EvalError(
+            f"checkpoint {checkpoint} lacks {missing[:3]} of model {model!r} (a LoRA "
+            "checkpoint, or another model's?): evaluate it with the run's own config"
+        )
+    net.load_state_dict({name: saved[f"model/{name}"] for name in state})
     tmp = checkpoint / ".hf-tmp"
     net.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+def _exported(folder: Path, weights: str) -> Path:
+    """An export written earlier into a checkpoint folder, used again only when its weights
+    are safetensors and no file in it is of a format read with pickle (a folder planted
+    there must not run code in the engine that loads it)."""
+    from drmas.checkpoints.tensors import PICKLED_SUFFIXES
+
+    pickled = sorted(p.name for p in folder.rglob("*") if p.name.endswith(PICKLED_SUFFIXES))
+    if pickled or not any(folder.glob(weights)):
+        raise EvalError(
+            f"{folder} holds {pickled or 'no safetensors weights'}: drmas writes its exports "
+            f"as safetensors only, so it was not written by drmas; delete {folder} and run "
+            "drmas eval again to export the checkpoint anew"
+        )
+    return folder
 
 
 def export_checkpoint_adapters(cfg: DrmasConfig, model: str, checkpoint: Path) -> dict[str, Path]:
@@ -251,6 +275,8 @@ def export_checkpoint_adapters(cfg: DrmasConfig, model: str, checkpoint: Path) -
             write_adapter_folder(config, adapter, tensors, tmp / adapter, base)
         tmp.rename(out)
     have = sorted(p.name for p in out.iterdir() if (p / "adapter_config.json").is_file())
+    for adapter in have:
+        _exported(out / adapter, "adapter_model.safetensors")
     missing = [a for a in cfg.adapters_of(model) if a not in have]
     if missing:
         raise EvalError(
@@ -262,26 +288,20 @@ def export_checkpoint_adapters(cfg: DrmasConfig, model: str, checkpoint: Path) -
 
 def checkpoint_adapter_tensors(checkpoint: Path) -> dict[str, Any]:
     """Every adapter tensor of a LoRA base's learner checkpoint (full tensors, in the
-    dtype saved, under their PeftModel parameter names), read without a process group."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+    dtype saved, under their PeftModel parameter names), read without a process group
+    and without unpickling (safetensors and JSON: drmas/checkpoints/tensors.py)."""
+    from drmas.checkpoints.tensors import full_tensors
     from drmas.learners.model_io import hf_name
     from drmas.models.lora import is_adapter_param
 
-    meta = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    state: dict[str, Any] = {}
-    for key, item in meta.items():
-        model_key = key.startswith("model.")  # not the optimizer's ("optim.state...")
-        if model_key and is_adapter_param(key) and isinstance(item, TensorStorageMetadata):
-            state[key.removeprefix("model.")] = torch.empty(item.size, dtype=item.properties.dtype)
+    state = full_tensors(
+        checkpoint, lambda key: key.startswith("model/") and is_adapter_param(key)
+    )  # not the optimizer's ("optim/...")
     if not state:
         raise EvalError(
             f"checkpoint {checkpoint} holds no LoRA adapters (a whole model's checkpoint?)"
         )
-    dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
-    return {hf_name(name): tensor for name, tensor in state.items()}
+    return {hf_name(key.removeprefix("model/")): tensor for key, tensor in state.items()}
 
 
 # -------------------------------------------------------------------------- tasks
