@@ -5,19 +5,22 @@ actors (on many nodes) share one index instead of each loading its own.
     GET  /health    -> {"status": "ok", "retriever": "..."}
 
 One thread per connection (stdlib ThreadingHTTPServer), at most `max_connections` at once
-(more are answered 503 and closed); every socket read and write times out after
-SOCKET_TIMEOUT_S, so a stalled client holds its thread that long at most. The index is
-not known to be thread-safe, so the searches themselves run one request at a time under
-a lock (an actor already sends a turn's queries as one batch). Bad requests (a body over
-MAX_BODY_BYTES, topk over `max_topk`, more than `max_queries` queries or one longer than
-MAX_QUERY_CHARS) get 400 with {"error": ...}; a failing search 500. There is no
-authentication: like the broker, it binds only loopback unless told otherwise.
+(more are answered 503 and closed). What a connection may send and for how long is
+bounded before it is read (drmas/retrieval/intake.py): the whole request must arrive
+within `request_timeout_s` (a client trickling bytes is dropped like a silent one, and so
+is an idle keep-alive connection), its answer must be read within as long again, its
+headers are capped, its body is refused from its Content-Length (413) over
+`max_body_bytes`, and large bodies are read one at a time (BodyGate). The index is not
+known to be thread-safe, so the searches themselves run one request at a time under a
+lock (an actor already sends a turn's queries as one batch). Every malformed request
+(not JSON, too deep, wrong types, topk over `max_topk`, more than `max_queries` queries
+or one longer than MAX_QUERY_CHARS) gets 400 with {"error": ...}; a failing search 500.
+There is no authentication: like the broker, it binds only loopback unless told otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import signal
 import socket
@@ -25,39 +28,25 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from drmas.retrieval.corpus import Passage, format_contents
+from drmas.retrieval.handler import Handler, Service, raw_answer
+from drmas.retrieval.intake import MAX_QUERY_CHARS, BadRequest, Limits
 
 if TYPE_CHECKING:
     from drmas.config import DrmasConfig
     from drmas.retrieval import Retriever
 
+__all__ = ["MAX_QUERY_CHARS", "BadRequest", "BoundedServer", "Limits", "make_server", "serve"]
+
 log = logging.getLogger("drmas.retrieval")
 
-MAX_BODY_BYTES = 8 << 20
-"""Larger request bodies are refused (400) before reading."""
-MAX_QUERY_CHARS = 4096
-"""A longer query is refused (400)."""
-SOCKET_TIMEOUT_S = 30.0
-"""Every read and write on a connection; an idle keep-alive connection closes after it."""
 REFUSERS = 8
 """Connections over the cap answered 503 at once (each by a thread for at most ~2 s); more
 than that are closed unanswered."""
 REFUSAL_DRAIN_BYTES = 1 << 20
 """Request bytes read from a refused connection before it is closed anyway."""
-
-
-class Limits:
-    """What one request may ask for (from RetrieverConfig)."""
-
-    def __init__(self, max_topk: int = 100, max_queries: int = 1024, max_connections: int = 64):
-        self.max_topk, self.max_queries, self.max_connections = (
-            max_topk,
-            max_queries,
-            max_connections,
-        )
 
 
 def check_bind(host: str, allow_remote: bool) -> None:
@@ -82,9 +71,11 @@ class BoundedServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
-        super().__init__(address, handler)
-        self.slots = threading.BoundedSemaphore(max_connections)
+    def __init__(self, address: tuple[str, int], service: Service) -> None:
+        super().__init__(address, Handler)
+        self.service = service
+        """What its connections serve (Handler reads it)."""
+        self.slots = threading.BoundedSemaphore(service.limits.max_connections)
         self.refusing = threading.BoundedSemaphore(REFUSERS)
         self.refused = 0
         self._serving = 0
@@ -118,12 +109,9 @@ class BoundedServer(ThreadingHTTPServer):
         try:
             with contextlib.suppress(OSError):
                 request.settimeout(1.0)
-                body = b'{"error": "too many connections; retry later"}'
                 request.sendall(
-                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                    b"Connection: close\r\nContent-Length: " + str(len(body)).encode()
-                    + b"\r\n\r\n" + body
-                )  # fmt: skip
+                    raw_answer(b"503 Service Unavailable", "too many connections; retry later")
+                )
                 request.shutdown(socket.SHUT_WR)
                 deadline, drained = time.monotonic() + 1.0, 0
                 while time.monotonic() < deadline and drained < REFUSAL_DRAIN_BYTES:
@@ -143,103 +131,12 @@ class BoundedServer(ThreadingHTTPServer):
             self.slots.release()
 
 
-class BadRequest(ValueError):
-    pass
-
-
 def make_server(
     retriever: Retriever, host: str, port: int, top_k_default: int, limits: Limits | None = None
 ) -> BoundedServer:
     """A bound server (port 0 = any free port: read it from `server.server_address`);
     call `serve_forever()` to answer."""
-    lock = threading.Lock()
-    caps = limits or Limits()
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        timeout = SOCKET_TIMEOUT_S  # socket.settimeout on every connection
-
-        def do_GET(self) -> None:
-            if self.path.rstrip("/") == "/health":
-                self._reply(200, {"status": "ok", "retriever": repr(retriever)})
-            else:
-                self._reply(404, {"error": f"no such path {self.path!r}; try POST /retrieve"})
-
-        def do_POST(self) -> None:
-            if self.path.rstrip("/") != "/retrieve":
-                self._reply(404, {"error": f"no such path {self.path!r}; try POST /retrieve"})
-                return
-            try:
-                queries, top_k, with_scores = _parse(self._body(), top_k_default, caps)
-            except BadRequest as exc:
-                self._reply(400, {"error": str(exc)})
-                return
-            try:
-                with lock:
-                    results = retriever.search(queries, top_k)
-            except Exception as exc:
-                log.exception("search of %d queries failed", len(queries))
-                self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
-                return
-            self._reply(200, {"result": [_render(hits, with_scores) for hits in results]})
-
-        def _body(self) -> bytes:
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                raise BadRequest("a Content-Length header is required") from None
-            if not 0 <= length <= MAX_BODY_BYTES:
-                self.close_connection = True
-                raise BadRequest(f"body of {length} bytes (at most {MAX_BODY_BYTES})")
-            return self.rfile.read(length)
-
-        def _reply(self, status: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("%s " + format, self.address_string(), *args)
-
-    return BoundedServer((host, port), Handler, caps.max_connections)
-
-
-def _parse(body: bytes, top_k_default: int, limits: Limits) -> tuple[list[str], int, bool]:
-    try:
-        request = json.loads(body)
-    except ValueError as exc:
-        raise BadRequest(f"body is not JSON: {exc}") from None
-    if not isinstance(request, dict):
-        raise BadRequest("body must be a JSON object with 'queries'")
-    queries = request.get("queries")
-    if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
-        raise BadRequest("'queries' must be a list of strings")
-    if len(queries) > limits.max_queries:
-        raise BadRequest(f"{len(queries)} queries in one request, at most {limits.max_queries}")
-    if any(len(q) > MAX_QUERY_CHARS for q in queries):
-        raise BadRequest(f"a query is longer than {MAX_QUERY_CHARS} characters")
-    top_k = request.get("topk") or top_k_default
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= limits.max_topk:
-        raise BadRequest(
-            f"'topk' must be an integer in 1..{limits.max_topk}, got {str(top_k)[:40]}"
-        )
-    with_scores = request.get("return_scores", False)
-    if not isinstance(with_scores, bool):
-        raise BadRequest(f"'return_scores' must be true or false, got {with_scores!r}")
-    return queries, top_k, with_scores
-
-
-def _render(hits: list[Passage], with_scores: bool) -> list[dict[str, Any]]:
-    docs = [
-        {"id": p.id, "contents": format_contents(p.title, p.text), "title": p.title, "text": p.text}
-        for p in hits
-    ]
-    if not with_scores:
-        return docs
-    return [{"document": d, "score": p.score} for d, p in zip(docs, hits, strict=True)]
+    return BoundedServer((host, port), Service(retriever, top_k_default, limits or Limits()))
 
 
 def serve(
@@ -303,8 +200,9 @@ def run_retriever(
         print(f"drmas retriever: {exc}", file=sys.stderr)
         return 2
     try:
-        serve(retriever, rc.host, rc.port, rc.top_k,
-              Limits(rc.max_topk, rc.max_queries, rc.max_connections))  # fmt: skip
+        limits = Limits(rc.max_topk, rc.max_queries, rc.max_connections,
+                        rc.request_timeout_s, rc.max_body_bytes)  # fmt: skip
+        serve(retriever, rc.host, rc.port, rc.top_k, limits)
     except OSError as exc:  # the port is taken, or the host is not this machine's
         print(
             f"drmas retriever: cannot listen on {rc.host}:{rc.port} ({exc}); set "

@@ -384,18 +384,14 @@ def wait_until(condition: Callable[[], bool], failure: str, deadline_s: float = 
         time.sleep(0.01)
 
 
-def test_server_caps_connections_and_times_out_stalled_clients(
-    corpus: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_server_caps_connections_and_times_out_stalled_clients(corpus: Path) -> None:
     import socket
 
     from drmas.retrieval import server as srv
     from drmas.retrieval.bm25 import BM25Retriever
 
-    monkeypatch.setattr(srv, "SOCKET_TIMEOUT_S", 2.0)  # the window for the 503
-    server = srv.make_server(
-        BM25Retriever(corpus), "127.0.0.1", 0, 2, srv.Limits(max_connections=4)
-    )
+    limits = srv.Limits(max_connections=4, request_timeout_s=2.0)  # the window for the 503
+    server = srv.make_server(BM25Retriever(corpus), "127.0.0.1", 0, 2, limits)
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     port = server.server_address[1]
     stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
@@ -406,7 +402,7 @@ def test_server_caps_connections_and_times_out_stalled_clients(
         status, answer = _post(f"http://127.0.0.1:{port}/retrieve", b'{"queries": ["a"]}')
         assert status == 503 and "too many" in answer["error"]
         assert threading.active_count() < 20  # no thread per stalled client beyond the cap
-        # the socket timeout drops the stalled ones, which frees their slots
+        # the request deadline drops the stalled ones, which frees their slots
         wait_until(lambda: server.serving == 0, "the stalled clients were never dropped")
         status, _ = _post(f"http://127.0.0.1:{port}/retrieve", b'{"queries": ["a"]}')
         assert status == 200

@@ -1,0 +1,214 @@
+"""One connection of `drmas retriever` (drmas/retrieval/server.py accepts it): reads each
+request within its deadline and byte budget (drmas/retrieval/intake.py), answers /health,
+and runs a /retrieve request's search under the index's lock. Large bodies pass BodyGate
+one at a time, so what requests in flight hold stays bounded whatever clients send.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from drmas.retrieval.corpus import Passage, format_contents
+from drmas.retrieval.intake import (
+    HEAD_BYTES,
+    LARGE_BODY_BYTES,
+    BadRequest,
+    DeadlineReader,
+    HeadTooLarge,
+    Limits,
+    parse,
+)
+
+if TYPE_CHECKING:
+    from drmas.retrieval import Retriever
+
+log = logging.getLogger("drmas.retrieval")
+
+
+class BodyGate:
+    """Bodies over LARGE_BODY_BYTES are read and decoded one at a time, so the memory of
+    requests in flight stays near max_connections x LARGE_BODY_BYTES plus one large body
+    and what decoding it builds (at most ~12 bytes per byte of body, for a list of tiny
+    strings), instead of max_connections x max_body_bytes."""
+
+    def __init__(self) -> None:
+        self._large = threading.Lock()
+
+    @contextlib.contextmanager
+    def admit(self, length: int, wait_s: float) -> Iterator[bool]:
+        """True when the body may be read now; False when a large one found the gate taken
+        for `wait_s` (what is left of the request's deadline)."""
+        if length <= LARGE_BODY_BYTES:
+            yield True
+            return
+        if not self._large.acquire(timeout=max(wait_s, 0.0)):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self._large.release()
+
+
+@dataclass
+class Service:
+    """What every connection of one server shares."""
+
+    retriever: Retriever
+    top_k_default: int
+    limits: Limits
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """The index is not known to be thread-safe: one search at a time."""
+    gate: BodyGate = field(default_factory=BodyGate)
+
+
+class ServiceHost(Protocol):
+    service: Service
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One connection's requests; what it serves is its server's `service`."""
+
+    protocol_version = "HTTP/1.1"
+    reader: DeadlineReader
+    service: Service
+
+    def setup(self) -> None:
+        self.service = cast("ServiceHost", self.server).service
+        super().setup()
+        self.rfile.close()  # the plain socket file; reads go through the deadline
+        self.reader = DeadlineReader(self.connection)
+        self.rfile = io.BufferedReader(self.reader)
+
+    def handle_one_request(self) -> None:
+        self.reader.start(self.service.limits.request_timeout_s, HEAD_BYTES)
+        try:
+            super().handle_one_request()
+        except HeadTooLarge as exc:
+            self.close_connection = True
+            with contextlib.suppress(OSError):
+                self.connection.settimeout(1.0)
+                self.connection.sendall(raw_answer(b"431 Request Header Fields Too Large",
+                                                    str(exc)))  # fmt: skip
+
+    def handle_expect_100(self) -> bool:
+        """Refuse an oversized body before the client sends it."""
+        try:
+            self._length()
+        except BadRequest as exc:
+            self._reply(exc.status, {"error": str(exc)}, close=True)
+            return False
+        return super().handle_expect_100()
+
+    def do_GET(self) -> None:
+        if "Content-Length" in self.headers or "Transfer-Encoding" in self.headers:
+            self.close_connection = True  # a body we do not read: do not parse it next
+        if self.path.rstrip("/") == "/health":
+            self._reply(200, {"status": "ok", "retriever": repr(self.service.retriever)})
+        else:
+            self._reply(404, {"error": f"no such path {self.path!r}; try POST /retrieve"})
+
+    def do_POST(self) -> None:
+        if self.path.rstrip("/") != "/retrieve":
+            error = f"no such path {self.path!r}; try POST /retrieve"
+            self._reply(404, {"error": error}, close=True)
+            return
+        try:
+            length = self._length()
+        except BadRequest as exc:
+            self._reply(exc.status, {"error": str(exc)}, close=True)
+            return
+        with self.service.gate.admit(length, self.reader.left()) as admitted:
+            if not admitted:
+                error = "busy reading another large request; retry later"
+                self._reply(503, {"error": error}, close=True)
+                return
+            self.reader.allow(length)
+            body = self.rfile.read(length)
+            if len(body) < length:  # the client closed before sending it all
+                self.close_connection = True
+                return
+            try:
+                queries, top_k, with_scores = parse(
+                    body, self.service.top_k_default, self.service.limits
+                )
+            except BadRequest as exc:
+                self._reply(400, {"error": str(exc)})
+                return
+            del body
+        self._search(queries, top_k, with_scores)
+
+    def _search(self, queries: list[str], top_k: int, with_scores: bool) -> None:
+        try:
+            with self.service.lock:
+                results = self.service.retriever.search(queries, top_k)
+        except Exception as exc:
+            log.exception("search of %d queries failed", len(queries))
+            self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
+            return
+        self._reply(200, {"result": [_render(hits, with_scores) for hits in results]})
+
+    def _length(self) -> int:
+        if "Transfer-Encoding" in self.headers:
+            raise BadRequest("send the body with a Content-Length (no Transfer-Encoding)")
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            raise BadRequest("a Content-Length header is required") from None
+        if length < 0:
+            raise BadRequest(f"Content-Length {length} is negative")
+        if length > self.service.limits.max_body_bytes:
+            raise BadRequest(
+                f"body of {length} bytes, at most {self.service.limits.max_body_bytes} "
+                "(retriever.max_body_bytes)",
+                status=413,
+            )
+        return length
+
+    def _reply(self, status: int, body: dict[str, Any], close: bool = False) -> None:
+        """The answer, written within request_timeout_s (a client that does not read
+        it is dropped then)."""
+        data = json.dumps(body).encode()
+        deadline = time.monotonic() + self.service.limits.request_timeout_s
+        self.connection.settimeout(self.service.limits.request_timeout_s)
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.connection.settimeout(max(deadline - time.monotonic(), 0.001))
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+
+def raw_answer(status_line: bytes, error: str) -> bytes:
+    """A whole JSON error answer that closes the connection, for when the request could
+    not be parsed far enough to answer through the handler."""
+    body = json.dumps({"error": error}).encode()
+    return (
+        b"HTTP/1.1 " + status_line + b"\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+
+
+def _render(hits: list[Passage], with_scores: bool) -> list[dict[str, Any]]:
+    docs = [
+        {"id": p.id, "contents": format_contents(p.title, p.text), "title": p.title, "text": p.text}
+        for p in hits
+    ]
+    if not with_scores:
+        return docs
+    return [{"document": d, "score": p.score} for d, p in zip(docs, hits, strict=True)]

@@ -1,0 +1,243 @@
+"""`drmas retriever` against the clients of issue #25's attack 6, each on a real socket to a
+server in this process: bytes trickled into the headers, a body larger than the cap, JSON
+nested 200 000 deep and other malformed bodies, an 8 MB body of `{}`, oversized headers,
+and large bodies that arrive together. Each must be refused or dropped, with an answer
+where one can be given, while an honest client is still served."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from drmas.retrieval.corpus import Passage
+from drmas.retrieval.handler import BodyGate
+from drmas.retrieval.intake import HEAD_BYTES, LARGE_BODY_BYTES, Limits
+from drmas.retrieval.server import BoundedServer, make_server
+
+
+class Echo:
+    """A retriever that answers each query with one passage whose id is the query."""
+
+    def search(self, queries: list[str], top_k: int) -> list[list[Passage]]:
+        return [[Passage(q, "title", "text", 1.0)] for q in queries]
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "Echo()"
+
+
+@contextlib.contextmanager
+def serving(limits: Limits) -> Iterator[BoundedServer]:
+    server = make_server(Echo(), "127.0.0.1", 0, 2, limits)  # type: ignore[arg-type]
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def wait_until(condition: Callable[[], bool], failure: str, deadline_s: float = 30.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.01)
+
+
+def exchange(server: BoundedServer, data: bytes) -> tuple[int, dict[str, object]]:
+    """Send `data` on a fresh connection; the answer's status and JSON body."""
+    with socket.create_connection(server.server_address[:2], timeout=20) as sock:
+        sock.sendall(data)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status, json.loads(response.read())
+
+
+def post(body: bytes, extra: bytes = b"") -> bytes:
+    return (
+        b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n"
+        + extra
+        + b"\r\n"
+        + body
+    )
+
+
+EMPTIES = b",".join([b"{}"] * ((8 << 20) // 3 - 20))
+"""Just under 8 MB (the default max_body_bytes) of `{}`."""
+
+
+def health(server: BoundedServer) -> int:
+    return exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")[0]
+
+
+def test_clients_trickling_header_bytes_are_dropped_at_the_request_deadline() -> None:
+    """Four clients fill every slot and keep sending one header byte every 0.2 s, well
+    inside any per-read timeout: only a deadline for the whole request drops them."""
+    with serving(Limits(max_connections=4, request_timeout_s=1.0)) as server:
+        socks = [socket.create_connection(server.server_address[:2]) for _ in range(4)]
+        stop = threading.Event()
+        dropped: list[socket.socket] = []
+
+        def trickle(sock: socket.socket) -> None:
+            for byte in b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 10_000:
+                if stop.wait(0.2):
+                    return
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:  # the server closed it
+                    dropped.append(sock)
+                    return
+
+        threads = [threading.Thread(target=trickle, args=(s,), daemon=True) for s in socks]
+        for t in threads:
+            t.start()
+        try:
+            wait_until(lambda: server.serving == 4, "the server never took the slow clients")
+            wait_until(lambda: server.serving == 0, "the slow clients still hold their slots")
+            assert health(server) == 200  # while the slow clients still trickle
+            for sock in socks:  # each was closed without an answer
+                sock.settimeout(5)
+                with contextlib.suppress(ConnectionResetError):
+                    assert sock.recv(100) == b""
+        finally:
+            stop.set()
+            for sock in socks:
+                sock.close()
+
+
+def test_an_idle_keep_alive_connection_is_closed_at_the_deadline() -> None:
+    with serving(Limits(max_connections=1, request_timeout_s=0.5)) as server:
+        with socket.create_connection(server.server_address[:2], timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            response = http.client.HTTPResponse(sock)
+            response.begin()
+            assert response.status == 200 and response.read()
+            assert sock.recv(100) == b""  # closed, not waiting for a next request
+        assert health(server) == 200
+
+
+def test_a_body_over_the_cap_is_refused_from_its_content_length() -> None:
+    """The headers announce a body the client never sends: the answer comes anyway, so
+    the cap was checked before reading."""
+    with serving(Limits(max_body_bytes=1000)) as server:
+        head = b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: 1001\r\n"
+        status, answer = exchange(server, head + b"\r\n")
+        assert status == 413 and "retriever.max_body_bytes" in str(answer["error"])
+        # with Expect: 100-continue the refusal replaces the 100
+        status, answer = exchange(server, head + b"Expect: 100-continue\r\n\r\n")
+        assert status == 413
+        for header, error in [
+            (b"Content-Length: -1\r\n", "negative"),
+            (b"Transfer-Encoding: chunked\r\n", "Content-Length"),
+            (b"", "Content-Length header is required"),
+        ]:
+            request = b"POST /retrieve HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n"
+            status, answer = exchange(server, request)
+            assert (status, error in str(answer["error"])) == (400, True), header
+        status, answer = exchange(server, post(b'{"queries": ["a"]}'))
+        assert status == 200 and answer["result"] == [[{"id": "a", "contents": '"title"\ntext',
+                                                       "title": "title", "text": "text"}]]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (b"[" * 200_000, "JSON object"),
+        (b'{"queries": ' + b"[" * 200_000, "list of strings"),
+        (b'{"extra": ' + b"[" * 200_000 + b"]" * 200_000 + b', "queries": []}', "nests"),
+        (b'{"extra": ' + b"[" * 200_000, "nests"),
+        (b'{"queries": ["\xff"]}', "not JSON"),
+        (b'{"queries": ["a"', "not JSON"),
+        (b"", "not JSON"),
+        (b'{"queries": ["a"], "topk": true}', "'topk' must be an integer"),
+        (b'{"queries": ["a"], "topk": 1.5}', "'topk' must be an integer"),
+        (b'{"queries": ["a"], "topk": 99999999999999999999999}', "integer in 1..100"),
+        (b'{"queries": [{}]}', "list of strings"),
+        (b'{"queries": ["a"], "return_scores": 1}', "true or false"),
+    ],
+)
+def test_every_malformed_body_is_answered_400(body: bytes, error: str) -> None:
+    with serving(Limits()) as server:
+        status, answer = exchange(server, post(body))
+        assert (status, error in str(answer["error"])) == (400, True), answer
+        assert health(server) == 200
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" + EMPTIES + b"]",
+        b'{"queries": [' + EMPTIES + b"]}",
+        b'{"extra": [' + EMPTIES + b'], "queries": []}',
+    ],
+    ids=["top-level", "as-queries", "unknown-field"],
+)
+def test_an_8_mb_body_of_empty_objects_builds_nothing(body: bytes) -> None:
+    """8 MB of `{}` built 4 million dicts (231 MB) before; decoded to the request's types,
+    it costs the body and the copies the read makes. Traced memory (every thread's Python
+    allocations, the server's included) peaks under 4x the body."""
+    request = post(body)
+    with serving(Limits()) as server:
+        tracemalloc.start()
+        try:
+            status, answer = exchange(server, request)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert status == (200 if body.endswith(b'"queries": []}') else 400), answer
+    assert peak < 4 * len(body), f"{peak / 1e6:.0f} MB traced for a {len(body) / 1e6:.0f} MB body"
+
+
+def test_headers_over_their_budget_are_refused() -> None:
+    with serving(Limits()) as server:
+        headers = b"".join(
+            b"X-%d: %s\r\n" % (i, b"a" * 1000) for i in range(HEAD_BYTES // 1000 + 1)
+        )
+        status, answer = exchange(server, b"GET /health HTTP/1.1\r\n" + headers + b"\r\n")
+        assert status == 431 and str(HEAD_BYTES) in str(answer["error"])
+        assert health(server) == 200
+
+
+def test_large_bodies_pass_the_gate_one_at_a_time() -> None:
+    gate = BodyGate()
+    with gate.admit(LARGE_BODY_BYTES + 1, 0.0) as first:
+        assert first
+        with gate.admit(LARGE_BODY_BYTES + 1, 0.05) as second:
+            assert not second  # waited its 0.05 s, then refused
+        with gate.admit(LARGE_BODY_BYTES, 0.0) as small:
+            assert small  # small bodies never wait
+    with gate.admit(LARGE_BODY_BYTES + 1, 0.0) as third:
+        assert third
+
+
+def test_a_client_holding_the_large_body_gate_is_dropped_at_its_deadline() -> None:
+    """A client announces a large body and sends one byte of it: it holds the gate until
+    its deadline. Meanwhile a small request is served; a large one waits for the gate,
+    and is served once the holder has been dropped."""
+    with serving(Limits(request_timeout_s=1.0)) as server:
+        held = socket.create_connection(server.server_address[:2])
+        try:
+            held.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{"
+                         % (2 * LARGE_BODY_BYTES))  # fmt: skip
+            wait_until(lambda: server.serving == 1, "the server never took the large body")
+            assert exchange(server, post(b'{"queries": ["a"]}'))[0] == 200
+            large = json.dumps({"queries": ["q" * 4000] * 20}).encode()
+            assert len(large) > LARGE_BODY_BYTES
+            assert exchange(server, post(large))[0] == 200
+            held.settimeout(10)
+            with contextlib.suppress(ConnectionResetError):
+                assert held.recv(100) == b""  # dropped without an answer
+        finally:
+            held.close()
