@@ -108,13 +108,22 @@ def snapshot(state: BrokerState, root: Path) -> dict[str, Any]:
 
 
 def read_snapshot(path: Path) -> dict[str, Any]:
+    """The broker's state as saved: JSON only (json.loads builds no objects but dicts,
+    lists, strings and numbers), so the file cannot run code at a resume."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes())
     except FileNotFoundError:
         raise FileNotFoundError(
             f"run.resume: {path} does not exist; resume needs a run folder that was started "
             "with this version of drmas (its broker writes the file at every checkpoint)"
         ) from None
+    except (ValueError, RecursionError) as err:
+        raise ValueError(
+            f"run.resume: {path} is not the broker's JSON ({type(err).__name__}); the file was "
+            "changed or damaged: resume from a run folder whose broker.json drmas wrote"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"run.resume: {path} is not a JSON object; it was not written by drmas")
     if data.get("format") != FORMAT:
         raise ValueError(f"{path} has format {data.get('format')}, this drmas reads {FORMAT}")
     return dict(data)

@@ -92,7 +92,7 @@ def read_rank(
     doc = read_json(folder / layout_name(rank))
     if doc.get("format") != FORMAT or doc.get("rank") != rank:
         raise CheckpointError(
-            f"{folder / layout_name(rank)} is not rank {rank}'s file in format {FORMAT!r}; {_REDO}"
+            f"{folder / layout_name(rank)} is not rank {rank}'s file in format {FORMAT!r} (changed or damaged?); {_REDO}"
         )
     if not isinstance(doc.get("layout"), dict):
         raise CheckpointError(f"{folder / layout_name(rank)} has no layout; {_REDO}")

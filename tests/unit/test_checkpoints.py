@@ -237,6 +237,7 @@ def test_learner_checkpoint_restores_model_optimizer_and_rng(tmp_path: Path) -> 
 def _two_rank_worker(rank: int, port: int, folder: str) -> None:
     import torch
     import torch.distributed as dist
+    from safetensors.torch import save_file
 
     from drmas.learners import checkpoint as ckpt
     from drmas.learners.trainer import Trainer, _local
@@ -249,6 +250,9 @@ def _two_rank_worker(rank: int, port: int, folder: str) -> None:
         a = Trainer(cfg, MODEL, rank, 2, "cpu")
         a.step(shards(make_samples(), 2)[rank])
         ckpt.save(a, Path(folder) / "ckpt" / MODEL, 1, keep=2)
+        full = dict(a.full_state_dict_iter())  # a collective: every rank gathers
+        if rank == 0:
+            save_file(full, Path(folder) / "full.safetensors")
         params = [_local(p.detach()).clone() for p in a.model.parameters()]
         optim = [
             {k: _local(v).clone() for k, v in a.optimizer.state[p].items()}
@@ -284,6 +288,21 @@ def test_two_rank_learner_checkpoint_restores_every_shard(tmp_path: Path) -> Non
     assert manifest is not None and sorted(manifest["files"]) == [
         "rank-00000.json", "rank-00000.safetensors", "rank-00001.json", "rank-00001.safetensors"
     ]  # fmt: skip
+    # Without a process group (drmas eval --step): both ranks' shards make the full tensors.
+    import torch
+    from safetensors.torch import load_file
+
+    from drmas.checkpoints.tensors import full_tensors
+    from drmas.learners.model_io import hf_name
+
+    expected = load_file(tmp_path / "full.safetensors")
+    joined = full_tensors(
+        tmp_path / "ckpt" / "policy" / "step-000001", lambda k: k.startswith("model/")
+    )
+    by_name = {hf_name(k.removeprefix("model/")): t for k, t in joined.items()}
+    assert expected.keys() <= by_name.keys() and len(expected) > 1
+    for name, tensor in expected.items():
+        assert torch.equal(by_name[name], tensor), name
 
 
 def test_rng_state_round_trips_without_pickle(tmp_path: Path) -> None:
