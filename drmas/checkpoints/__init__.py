@@ -4,6 +4,7 @@ Written by learner ranks and the broker every `checkpoint.every` steps (and at t
 read back by `drmas train run.resume=RUN_DIR` (and the per-role commands).
 
     store.py          folders on disk: manifest written last, atomic rename, keep-N rotation
-    (drmas/learners/checkpoint.py: DCP save/load of one learner group, in these folders)
+    tensors.py        one rank's files: safetensors + JSON, read back without pickle
+    (drmas/learners/checkpoint.py: save/load of one learner group's shards, in these folders)
     (drmas/broker/checkpoint.py: the broker's snapshot/restore, broker.json in the root)
 """

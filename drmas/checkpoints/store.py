@@ -3,9 +3,11 @@
 Layout under the checkpoint root (`checkpoint.dir`, default RUN_DIR/checkpoints):
 
     <model>/step-000012/            one learner group's sharded checkpoint at version 12
-        .metadata, __0_0.distcp ... torch.distributed.checkpoint files (model + optimizer)
-        rng-rank0.pt ...            RNG state of every rank
-        manifest.json               written LAST, by rank 0: version, world size, time, files
+        rank-00000.safetensors ...  each rank's shards of model and optimizer state, RNG
+        rank-00000.json ...         each rank's layout, hyperparameters, RNG numbers
+                                    (both drmas/checkpoints/tensors.py: nothing is pickled)
+        manifest.json               written LAST, by rank 0: version, world size, format,
+                                    time, files
     <model>/.tmp-step-000012/       a save in progress (never read)
     <model>/.set-aside-*/           a checkpoint of a history that resume abandoned (never
                                     read; deleted at the next rotation)
