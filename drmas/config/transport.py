@@ -36,8 +36,9 @@ class SecurityConfig:
     """ZeroMQ CURVE: encrypt every broker connection and admit only keys in authorized/."""
     keys_dir: str = ""
     """Folder written by `drmas keys DIR`: broker.key(_secret), clients/<name>.key(_secret),
-    authorized/ (public keys the broker accepts). Empty = ./keys in the working directory;
-    `drmas train`/`prepare` write it as an absolute path into RUN_DIR/config.yaml."""
+    authorized/ (public keys the broker accepts; roles.json binds each to what it may do).
+    Empty = ./keys in the working directory; `drmas train`/`prepare` write it as an
+    absolute path into RUN_DIR/config.yaml."""
     client_name: str = ""
     """Which client key pair this process uses (clients/<name>.key_secret); empty = "default"."""
     allow_insecure: bool = False

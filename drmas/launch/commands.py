@@ -184,8 +184,9 @@ def _status(args: argparse.Namespace) -> int:
 
 
 KEYS_DESCRIPTION = (
-    "Writes DIR/broker.key(_secret), DIR/clients/NAME.key(_secret) and "
-    "DIR/authorized/NAME.key (the public keys the broker admits). Secret files are "
+    "Writes DIR/broker.key(_secret), DIR/clients/NAME.key(_secret), "
+    "DIR/authorized/NAME.key (the public keys the broker admits) and "
+    "DIR/authorized/roles.json (what each key may do). Secret files are "
     "mode 600. Copy broker.key_secret + authorized/ to the broker's node, broker.key + "
     "clients/NAME.key_secret to each client's node."
 )
@@ -196,9 +197,11 @@ def _keys_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--clients",
         default="default",
-        help="comma-separated client names, one key pair each (security.client_name); "
-        "NAME:ROLE binds a key to one role (actor, learner or observer = drmas status), so a "
-        "stolen observer key cannot train or publish",
+        help="comma-separated client names, one key pair each (security.client_name). Every "
+        "key is bound (authorized/roles.json) to what it may do: NAME:actor, NAME:observer "
+        "(drmas status), NAME:learner (any model), NAME:learner:M1+M2 (those models' "
+        "learners only) or NAME:any; a name without one is bound to the role it names "
+        "(actors, learners, observer, status, ops), any other to any",
     )
     sp.add_argument(
         "--force", action="store_true", help="replace existing keys (all old keys stop working)"
@@ -208,7 +211,7 @@ def _keys_arguments(sp: argparse.ArgumentParser) -> None:
 def _keys(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from drmas.transports.security import SecurityError, write_keys
+    from drmas.transports.security import ANY, SecurityError, bindings, write_keys
 
     root = Path(args.dir).expanduser().resolve()
     pairs = [c.strip().partition(":") for c in args.clients.split(",") if c.strip()]
@@ -221,10 +224,13 @@ def _keys(args: argparse.Namespace) -> int:
         return 2
     for path in written:
         print(path)
+    bound = bindings(names, roles)
     print(
-        f"drmas keys: broker and client key pairs ({', '.join(names)}) in {root}. Run with "
-        f"security.curve=true security.keys_dir={root} (clients: security.client_name=NAME, "
-        "default 'default'); the broker admits the public keys in authorized/.",
+        f"drmas keys: broker and client key pairs in {root}, each bound to what it may do: "
+        f"{', '.join(f'{n}={b}' for n, b in bound.items())}. Run with security.curve=true "
+        f"security.keys_dir={root} (clients: security.client_name=NAME, default 'default'); "
+        "the broker admits the public keys in authorized/ as authorized/roles.json binds them."
+        + ("" if ANY not in bound.values() else " Keys bound to any may take every role."),
         file=sys.stderr,
     )
     return 0

@@ -7,8 +7,9 @@ Layout of a keys folder (written by `drmas keys DIR --clients a,b`; zmq certific
     DIR/clients/<name>.key_secret  a client's key pair (mode 600): copy to its node
     DIR/clients/<name>.key         the same client's public key
     DIR/authorized/<name>.key      public keys the broker accepts; nothing else gets in
-    DIR/authorized/roles.json      {name: role}: what each key may be (actor, learner or
-                                   observer = `drmas status`); a key not listed may be any
+    DIR/authorized/roles.json      {name: binding}: what each key may be (see BINDINGS);
+                                   a key not listed there may be nothing, and a broker
+                                   whose authorized/ has no roles.json refuses to start
 
 So the broker's node needs broker.key_secret and authorized/; a client's node needs
 broker.key and its own clients/<name>.key_secret. The broker reads authorized/ when it
@@ -53,6 +54,26 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 KEY_ROLES = {"actor": "actor", "learner": "learner", "observer": "client"}
 """Role given to a key at `drmas keys --clients NAME:ROLE` -> the Hello role it allows."""
 ANY_ROLE = frozenset(KEY_ROLES.values())
+ANY = "any"
+
+BINDINGS = (
+    "actor, observer (drmas status), learner (of any model), learner:M1+M2 (of those "
+    "models only) or any (every role: one key shared by all of a run's processes)"
+)
+"""What a key may be bound to (`drmas keys --clients NAME:BINDING`, authorized/roles.json)."""
+
+NAMED_ROLES = {
+    "actor": "actor",
+    "actors": "actor",
+    "learner": "learner",
+    "learners": "learner",
+    "observer": "observer",
+    "observers": "observer",
+    "status": "observer",
+    "ops": "observer",
+}
+"""A client named after a role is bound to it when `drmas keys` is given no binding
+(`--clients actors,learners`); any other name without one gets `any`, written out."""
 
 
 class SecurityError(ValueError):
@@ -84,8 +105,8 @@ def write_keys(
     roles: dict[str, str] | None = None,
 ) -> list[Path]:
     """Write a broker key pair and one key pair per client; returns the files written.
-    `roles` binds keys to one role each (name -> actor | learner | observer), written to
-    authorized/roles.json; a key without one may say Hello in any role.
+    Every key is bound (authorized/roles.json): `roles` names a key's binding (name ->
+    one of BINDINGS); a key without one gets its name's role (NAMED_ROLES), else `any`.
 
     Refuses (SecurityError) when any key already exists there, unless force: then the
     whole key set is replaced and every key issued before stops working (old client
@@ -93,15 +114,14 @@ def write_keys(
     """
     names = _client_names(clients)
     existing = _existing_keys(root, force)
-    roles = _checked_roles(roles or {}, names)
+    roles = bindings(names, roles or {})
     for p in [*existing, root / "authorized" / "roles.json"]:
         p.unlink(missing_ok=True)
     (root / "clients").mkdir(parents=True, exist_ok=True)
     (root / "authorized").mkdir(exist_ok=True)
     written = _make_pairs(root, names)
-    if roles:
-        (root / "authorized" / "roles.json").write_text(json.dumps(roles, indent=2) + "\n")
-        written.append(root / "authorized" / "roles.json")
+    (root / "authorized" / "roles.json").write_text(json.dumps(roles, indent=2) + "\n")
+    written.append(root / "authorized" / "roles.json")
     return written
 
 
@@ -137,14 +157,28 @@ def _existing_keys(root: Path, force: bool) -> list[Path]:
     return existing
 
 
-def _checked_roles(roles: dict[str, str], names: list[str]) -> dict[str, str]:
-    for name, role in roles.items():
-        if name not in names or role not in KEY_ROLES:
-            raise SecurityError(
-                f"drmas keys: role {role!r} for {name!r}: give NAME:ROLE for a listed client "
-                f"with ROLE one of {sorted(KEY_ROLES)}"
-            )
-    return dict(roles)
+def bindings(names: list[str], roles: dict[str, str]) -> dict[str, str]:
+    """Every name's binding: its own from `roles` (checked), else its name's role, else any."""
+    for name, binding in roles.items():
+        if name not in names:
+            raise SecurityError(f"drmas keys: a binding for {name!r}, which is not a listed client")
+        grants(binding, f"drmas keys: {name}:{binding}")
+    return {n: roles.get(n) or NAMED_ROLES.get(n, ANY) for n in names}
+
+
+def grants(binding: str, where: str) -> frozenset[str]:
+    """The Hello roles a binding allows, as the broker's gate checks them: "actor",
+    "learner", "client", or "learner:<model>" for a learner of that model only."""
+    if binding == ANY:
+        return ANY_ROLE
+    role, colon, models = binding.partition(":")
+    named = models.split("+") if colon else []
+    ok = role in KEY_ROLES and (role == "learner" or not colon)
+    if not ok or not all(_NAME.fullmatch(m) for m in named):
+        raise SecurityError(f"{where}: {binding!r} is not a binding; use one of {BINDINGS}")
+    if named:
+        return frozenset(f"learner:{m}" for m in named)
+    return frozenset({KEY_ROLES[role]})
 
 
 def _make_pairs(root: Path, names: list[str]) -> list[Path]:
@@ -169,22 +203,32 @@ def _make_pairs(root: Path, names: list[str]) -> list[Path]:
 
 
 def key_roles(root: Path) -> dict[str, frozenset[str]]:
-    """z85 public key of every authorized client -> the Hello roles it may take (from
-    authorized/roles.json; any role when a key is not listed there). The broker reads the
-    key of each message from its ZAP User-Id and checks it against the sender's role."""
+    """z85 public key of every authorized client -> what it may do (`grants` of its binding
+    in authorized/roles.json; nothing when it has none). The broker reads the key of each
+    message from its ZAP User-Id and checks it against the sender's role and, for a
+    learner, its model. Without roles.json every key once took any role, so a broker now
+    refuses to start (SecurityError saying what to run)."""
     folder = root / "authorized"
     path = folder / "roles.json"
+    if not path.is_file():
+        raise SecurityError(
+            f"security.curve=true but {path} does not exist: every key must be bound to what "
+            f"it may do ({BINDINGS}). Write the key set again with `drmas keys {root} --clients "
+            "NAME[:BINDING],... --force` (names such as actors, learners bind themselves), or "
+            'write roles.json as {"NAME": "BINDING"} for each key in authorized/'
+        )
     try:
-        named = json.loads(path.read_text()) if path.is_file() else {}
+        named = json.loads(path.read_text())
     except ValueError as exc:
         raise SecurityError(f"{path} is not JSON ({exc}); rewrite it with `drmas keys`") from None
+    if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
+        raise SecurityError(f'{path} must map each key name to a binding: {{"NAME": "BINDING"}}')
     out: dict[str, frozenset[str]] = {}
     for cert in sorted(folder.glob("*.key")):
         public, _ = zmq.auth.load_certificate(cert)
-        role = named.get(cert.name.removesuffix(".key"))
-        if role is not None and role not in KEY_ROLES:
-            raise SecurityError(f"{path}: unknown role {role!r}; use one of {sorted(KEY_ROLES)}")
-        out[public.decode("ascii")] = frozenset({KEY_ROLES[role]}) if role else ANY_ROLE
+        binding = named.get(cert.name.removesuffix(".key"))
+        unbound = frozenset[str]()
+        out[public.decode("ascii")] = grants(binding, str(path)) if binding else unbound
     return out
 
 
@@ -285,6 +329,7 @@ def check_keys(security: SecurityConfig) -> None:
     _load(root / "broker.key_secret", root, secret=True)
     _load(root / "broker.key", root, secret=False)
     authorized_keys(root)
+    key_roles(root)
     if security.client_name:
         _client_pair(root, security.client_name)
 

@@ -20,6 +20,7 @@ from drmas.transports.security import (
     check_keys,
     find_client,
     is_loopback,
+    key_roles,
     keys_dir,
     write_keys,
 )
@@ -42,6 +43,7 @@ def test_keys_layout_and_permissions(tmp_path: Path) -> None:
         "clients/ops.key_secret",
         "authorized/actors.key",
         "authorized/ops.key",
+        "authorized/roles.json",
     }
     for secret in ["broker.key_secret", "clients/actors.key_secret", "clients/ops.key_secret"]:
         assert mode(root / secret) == 0o600, secret
@@ -72,7 +74,7 @@ def test_refuses_to_overwrite_unless_force(tmp_path: Path, capsys) -> None:
 
     assert cli(["keys", str(root), "--clients", "c", "--force"]) == 0
     # the whole set is replaced: old clients can no longer get in
-    assert sorted(p.name for p in (root / "authorized").iterdir()) == ["c.key"]
+    assert sorted(p.name for p in (root / "authorized").iterdir()) == ["c.key", "roles.json"]
     assert sorted(p.name for p in (root / "clients").iterdir()) == ["c.key", "c.key_secret"]
     assert (root / "broker.key_secret").read_bytes() != before[root / "broker.key_secret"]
 
@@ -186,9 +188,71 @@ def test_curve_router_close_releases_the_context(tmp_path: Path) -> None:
     assert done.wait(10), "ctx.term() hung: the ZAP handler outlived its socket"
 
 
+def test_drmas_keys_binds_every_key_by_default(tmp_path: Path, capsys) -> None:
+    """Issue #25: the documented setup (`--clients actors,learners`) gave keys no role, and
+    a key without one could take any role. Now every key is bound, the documented names to
+    the role they name; a learner key may be bound to its models."""
+    import json
+
+    root = tmp_path / "keys"
+    clients = "actors,learners,status,solver:learner:solver,both:learner:solver+verifier,default"
+    assert cli(["keys", str(root), "--clients", clients]) == 0
+    assert json.loads((root / "authorized" / "roles.json").read_text()) == {
+        "actors": "actor", "learners": "learner", "status": "observer",
+        "solver": "learner:solver", "both": "learner:solver+verifier", "default": "any",
+    }  # fmt: skip
+    err = capsys.readouterr().err
+    assert "actors=actor, learners=learner" in err and "Keys bound to any" in err
+    by_name = {
+        name: zmq.auth.load_certificate(root / "authorized" / f"{name}.key")[0].decode()
+        for name in ("actors", "learners", "status", "solver", "both", "default")
+    }
+    granted = key_roles(root)
+    assert {n: granted[k] for n, k in by_name.items()} == {
+        "actors": {"actor"}, "learners": {"learner"}, "status": {"client"},
+        "solver": {"learner:solver"}, "both": {"learner:solver", "learner:verifier"},
+        "default": {"actor", "learner", "client"},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "clients", ["a:admin", "a:actor:solver", "a:learner:", "a:learner:s++v", "a:learner:../x"]
+)
+def test_bad_bindings_are_refused(tmp_path: Path, clients: str, capsys) -> None:
+    assert cli(["keys", str(tmp_path / "keys"), "--clients", clients]) == 2
+    assert "is not a binding" in capsys.readouterr().err
+    assert not (tmp_path / "keys" / "broker.key").exists()
+
+
+def test_a_broker_refuses_keys_without_bindings(tmp_path: Path) -> None:
+    """A key set without roles.json (written before bindings existed) let every key take any
+    role: the broker refuses to start, saying what to run; a key added to authorized/
+    without a binding gets nothing."""
+    import json
+
+    root = tmp_path / "keys"
+    write_keys(root, ["actors", "ops"])
+    (root / "authorized" / "roles.json").unlink()
+    for load in (lambda: key_roles(root), lambda: check_keys(
+            SecurityConfig(curve=True, keys_dir=str(root)))):  # fmt: skip
+        with pytest.raises(SecurityError, match=r"roles\.json does not exist") as err:
+            load()
+        assert f"drmas keys {root} --clients" in str(err.value)
+    (root / "authorized" / "roles.json").write_text(json.dumps({"actors": "actor"}))
+    ops = zmq.auth.load_certificate(root / "authorized" / "ops.key")[0].decode()
+    assert key_roles(root)[ops] == frozenset()
+    (root / "authorized" / "roles.json").write_text(json.dumps({"actors": "admin"}))
+    with pytest.raises(SecurityError, match="'admin' is not a binding"):
+        key_roles(root)
+    (root / "authorized" / "roles.json").write_text(json.dumps(["actors"]))
+    with pytest.raises(SecurityError, match="must map each key name"):
+        key_roles(root)
+
+
 def test_a_key_bound_to_a_role_cannot_take_another(tmp_path: Path) -> None:
     """`drmas keys --clients ops:observer,...`: the broker reads each message's key (ZAP
-    User-Id) and refuses roles the key was not given."""
+    User-Id) and refuses roles, and a learner's models, the key was not given; a key
+    without a binding gets nothing, not even status."""
     import json
     import time
 
@@ -198,9 +262,13 @@ def test_a_key_bound_to_a_role_cannot_take_another(tmp_path: Path) -> None:
     from drmas.transports.channel import BrokerRefused
 
     keys = tmp_path / "keys"
-    assert cli(["keys", str(keys), "--clients", "ops:observer,actors:actor,any"]) == 0
-    assert json.loads((keys / "authorized" / "roles.json").read_text()) == {
-        "ops": "observer", "actors": "actor"}  # fmt: skip
+    clients = "ops:observer,actors:actor,any,solver:learner:solver,stray"
+    assert cli(["keys", str(keys), "--clients", clients]) == 0
+    roles = json.loads((keys / "authorized" / "roles.json").read_text())
+    assert roles == {"ops": "observer", "actors": "actor", "any": "any",
+                     "solver": "learner:solver", "stray": "any"}  # fmt: skip
+    del roles["stray"]  # in authorized/, but bound to nothing
+    (keys / "authorized" / "roles.json").write_text(json.dumps(roles))
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"vocab_size": 64}))
@@ -224,12 +292,22 @@ def test_a_key_bound_to_a_role_cannot_take_another(tmp_path: Path) -> None:
             ops.hello("actor", ["solver", "verifier"], timeout_s=10)
         with pytest.raises(BrokerRefused, match="not allowed the learner role"):
             client("actors", "x").hello("learner", ["solver"], timeout_s=10)
+        solver = client("solver", "learner-verifier-0")
+        with pytest.raises(BrokerRefused, match=r"bound to the learners of \['solver'\]"):
+            solver.hello("learner", ["verifier"], timeout_s=10)
+        assert isinstance(client("solver", "learner-solver-0").hello(
+            "learner", ["solver"], timeout_s=10), Welcome)  # fmt: skip
+        stray = client("stray", "s")
+        for attempt in (lambda: stray.hello("actor", ["solver", "verifier"], timeout_s=10),
+                        lambda: stray.request(StatusRequest(), StatusReply, 10)):  # fmt: skip
+            with pytest.raises(BrokerRefused, match=r"no binding in authorized/roles\.json"):
+                attempt()
         for name, cid in (("actors", "a1"), ("any", "a2")):
             assert isinstance(
                 client(name, cid).hello("actor", ["solver", "verifier"], timeout_s=10), Welcome
             )
         counters = ops.request(StatusRequest(), StatusReply, 10).counters
-        assert counters["refused/forbidden"] == 2 and counters["actors_joined"] == 2
+        assert counters["refused/forbidden"] == 5 and counters["actors_joined"] == 2
     finally:
         server._stop = True
         loop.join(timeout=10)
