@@ -61,7 +61,11 @@ class BrokerUnavailable(TimeoutError):
 
 
 class BrokerRefused(RuntimeError):
-    """The broker answered with an ErrorReply."""
+    """The broker answered with an ErrorReply; `code` is its code (e.g. unknown_client)."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _RouterSocket(zmq.Socket):
@@ -224,7 +228,9 @@ class BrokerClient:
             return reply  # type: ignore[return-value]
         tag = type(message).__struct_config__.tag  # type: ignore[attr-defined]
         if isinstance(reply, ErrorReply) and reply.refused in (tag, ""):
-            raise BrokerRefused(f"broker refused {type(message).__name__}: {reply.reason}")
+            raise BrokerRefused(
+                f"broker refused {type(message).__name__}: {reply.reason}", reply.code
+            )
         self.inbox.append(reply)  # unsolicited, or an error about a fire-and-forget message
         return None
 
