@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from drmas.actors.engines import ReceivesWeights, RollsBack, make_engine
 from drmas.actors.engines.base import Engine
+from drmas.actors.engines.expected import expected_for
 from drmas.actors.failures import STOP_EXIT_CODE, Failure, FailureWatch, report_path
 from drmas.actors.timebook import TimeBook
 from drmas.config import DrmasConfig
@@ -106,7 +107,9 @@ class Actor:
         self.leases: dict[int, Lease] = {}
         self.started_at: dict[int, float] = {}
         self.joins: list[tuple[JoinWeightGroup, float]] = []  # (join, when received)
-        self.receiver = WeightReceiver()
+        self.receiver = WeightReceiver(
+            expected=lambda j: expected_for(self.engines.get(j.model), j)
+        )
         self.quarantined: dict[str, int] = {}  # model -> version before a failed in-place load
         self.stopping = ""
         self.heartbeat_s = cfg.broker.heartbeat_interval_s

@@ -49,8 +49,9 @@ from drmas.actors.engines.scheduler import RequestScheduler, Row, hit_stop
 from drmas.config.actor import EngineConfig
 from drmas.config.model import LoraConfig
 from drmas.config.types import Dtype
-from drmas.models.lora import BASE_ADAPTER, adapter_param_names, add_adapters
+from drmas.models.lora import BASE_ADAPTER, adapter_of_param, adapter_param_names, add_adapters
 from drmas.transports.digest import digest_of
+from drmas.transports.weights.layout import Expected, expected_of
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -238,6 +239,20 @@ class HFEngine:
                     )
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         self.version = version
+
+    def expected_weights(self, adapters: Sequence[str]) -> Expected | None:
+        """What a publish must carry (drmas/actors/engines/expected.py): every parameter,
+        by the names named_parameters() gives (the learner sends exactly those); on a LoRA
+        base every parameter of the adapters the publish carries, and nothing else."""
+        if self.model is None:
+            return None
+        if self.adapters:
+            carried = set(adapters)
+            return expected_of(
+                ((n, t) for n, t in self._adapter_params.items() if adapter_of_param(n) in carried),
+                f"the parameters of adapters {sorted(carried)} of {self.model_name}",
+            )
+        return expected_of(self.model.named_parameters(), f"every parameter of {self.model_name}")
 
     def _targets(self) -> dict[str, torch.Tensor]:
         """What a publish may write, by name: the adapters of a LoRA base, else every

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from drmas.actors.engines.sglang_bridge import WeightBridge
     from drmas.config.model import LoraConfig
     from drmas.transports.digest import Digest
+    from drmas.transports.weights import Expected
 
 log = logging.getLogger("drmas.engine.sglang")
 
@@ -286,6 +287,16 @@ class SGLangEngine:
         if self.adapters is not None:
             return self.adapters.digest
         return self._digest.hexdigest() if self._digest is not None else ""
+
+    def expected_weights(self, adapters: Sequence[str]) -> Expected | None:
+        """What a publish must carry (drmas/actors/engines/expected.py), checked by the
+        actor's receiver before a bucket is forwarded: every parameter of the model
+        folder's architecture; None on a LoRA base (adapter publishes: sizes only)."""
+        if self.adapters is not None:
+            return None
+        from drmas.actors.engines.expected import folder_expected
+
+        return folder_expected(self.model_path)
 
     def backup_weights(self) -> object:
         """RollsBack (engines/__init__.py): on a LoRA base a publish switches adapters only

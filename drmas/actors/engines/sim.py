@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
     from drmas.config.model import LoraConfig
     from drmas.transports.digest import Digest
+    from drmas.transports.weights.layout import Expected
 
 log = logging.getLogger("drmas.engine.sim")
 
@@ -187,6 +188,16 @@ class SimEngine:
             self._digest.add(name, tensor)
         self.weight_loads += 1
         self.version = version
+
+    def expected_weights(self, adapters: Sequence[str]) -> Expected | None:
+        """What a publish must carry (drmas/actors/engines/expected.py): every parameter of
+        the model folder's architecture; None (sizes checked only) without a folder or on a
+        LoRA base, whose adapter names the sim engine does not build."""
+        if self.model_path is None or self.adapters:
+            return None
+        from drmas.actors.engines.expected import folder_expected
+
+        return folder_expected(str(self.model_path))
 
     def backup_weights(self) -> object:
         import copy

@@ -56,8 +56,9 @@ import msgspec
 
 from drmas.actors.engines import vllm_lora
 from drmas.actors.engines.base import GenerateRequest, GenerateResult, check_request
+from drmas.actors.engines.expected import folder_expected, pack
 from drmas.config.actor import EngineConfig
-from drmas.transports.weights import WeightSyncError
+from drmas.transports.weights import Expected, WeightSyncError
 
 if TYPE_CHECKING:
     import torch
@@ -344,7 +345,8 @@ class VLLMEngine:
             raise RuntimeError(f"engine {self.model_name!r}: call start() before receive_weights()")
         if self.adapters is not None:
             return await self._receive_adapters(join, digest)
-        reply = await self._worker_call("drmas_receive_weights", join, digest)
+        expected = pack(self.expected_weights(join.adapters))
+        reply = await self._worker_call("drmas_receive_weights", join, digest, expected)
         # Cached prefixes (and the KV of kept requests) were computed with the old weights.
         await asyncio.wait_for(
             self.llm.reset_prefix_cache(reset_running_requests=True), PAUSE_TIMEOUT_S
@@ -408,6 +410,14 @@ class VLLMEngine:
 
         found, _ = await self.adapters.receive(self.llm, version, write, digest=True)
         self.version, self._digest = version, found
+
+    def expected_weights(self, adapters: Sequence[str]) -> Expected | None:
+        """What a publish must carry (drmas/actors/engines/expected.py): every parameter of
+        the model folder's architecture, by Hugging Face name (what the workers' reload
+        path takes); None on a LoRA base (adapter publishes are checked for size only)."""
+        if self.adapters is not None:
+            return None
+        return folder_expected(str(self.model_path))
 
     def backup_weights(self) -> object:
         """RollsBack (engines/__init__.py): on a LoRA base a failed publish switches nothing,

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 import torch
 
+from drmas.actors.engines.expected import unpack
 from drmas.actors.engines.lora_folders import write_adapter_tensors
 from drmas.protocol.messages import JoinWeightGroup
 from drmas.transports.digest import Digest, digest_of
@@ -45,10 +46,15 @@ class DrmasWorkerExtension:
     device: torch.device
     model_runner: Any
 
-    def drmas_receive_weights(self, join_payload: bytes, want_digest: bool) -> dict[str, Any]:
+    def drmas_receive_weights(
+        self, join_payload: bytes, want_digest: bool, expected: bytes = b""
+    ) -> dict[str, Any]:
         """Receive one publish and load it. Never raises: an exception in a worker RPC would
         take vLLM's EngineCore down with it, so a failure comes back as "error" (the model
-        may then hold a mix of versions until the next publish, which the actor reports).
+        may then hold a mix of versions until the next publish: the actor quarantines it).
+        `expected` (expected.pack): the parameter set the header must cover, checked before
+        the first tensor reaches the reload; a digest trailer that differs from what
+        arrived fails the reload at its last tensor, before the engine resumes.
         Reply: error, digest ("" unless asked), digest_source, tensors, bytes, seconds."""
         start = time.monotonic()
         reply: dict[str, Any] = {"error": "", "digest": "", "digest_source": "", "tensors": 0}
@@ -62,7 +68,7 @@ class DrmasWorkerExtension:
             def tensors() -> Iterator[tuple[str, torch.Tensor]]:
                 nonlocal nbytes
                 assert receiver is not None
-                for name, tensor in receiver.receive(join):
+                for name, tensor in receiver.receive(join, unpack(expected)):
                     shapes[name] = tuple(tensor.shape)
                     nbytes += tensor.numel() * tensor.element_size()
                     if want_digest:

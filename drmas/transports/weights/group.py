@@ -11,7 +11,8 @@ off the sync's path (`Retired`).
 
 Exposure: `listen` binds the store's socket on `weights.host` only (torch would otherwise
 listen on every interface); anyone who reaches it can read and write its keys, so
-weights.host should be an address only the actors reach.
+weights.host should be an address only the actors reach. Reaching it is not enough to get
+weights: `Group.authenticate` has every rank prove the group's token before rank 0 sends.
 """
 
 from __future__ import annotations

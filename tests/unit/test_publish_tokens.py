@@ -1,0 +1,86 @@
+"""The broker's side of weights that prove themselves (drmas/broker/publishing.py): who
+is told a weight group's token, and how often an actor whose loads fail is re-published."""
+
+from __future__ import annotations
+
+import collections
+
+from drmas.broker.adapter_versions import AdapterVersions
+from drmas.broker.leases import ActorRecord
+from drmas.broker.metrics import StepMetrics
+from drmas.broker.publishing import MAX_RELOADS, WeightPublishing
+from drmas.config import load_config
+
+
+class NoSink:
+    def write(self, record: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def publishing(*actor_ids: str) -> WeightPublishing:
+    cfg = load_config(["train.steps=100"])
+    actors = {a: ActorRecord(a, "h", 1, ["solver"], 0.0) for a in actor_ids}
+    return WeightPublishing(
+        cfg,
+        actors,
+        dict.fromkeys(cfg.models, 0),
+        collections.Counter(),
+        StepMetrics(NoSink(), sorted(cfg.models)),
+        AdapterVersions(cfg),
+    )
+
+
+def test_the_token_goes_to_the_learner_and_the_members_only() -> None:
+    pub = publishing("a1", "a2")
+    plan, joins = pub.plan("solver", 1, "h:1", now=0.0)
+    assert len(plan.token) == 32  # 128 bits, hex
+    assert [cid for cid, _ in joins] == ["a1", "a2"] == plan.members
+    assert {j.token for _, j in joins} == {plan.token}
+    assert [j.rank for _, j in joins] == [1, 2]
+    # the same members over the same store: the kept group, the same token
+    pub.done("solver", 1, 0.1, ok=True)
+    for cid in ("a1", "a2"):
+        pub.loaded(cid, "solver", 1, ok=True)
+    again, _ = pub.plan("solver", 2, "h:1", now=1.0)
+    assert (again.group_name, again.token) == (plan.group_name, plan.token)
+    # another member set (a3 attached): a new group, a token nobody held before
+    pub.actors["a3"] = ActorRecord("a3", "h", 1, ["solver"], 0.0)
+    pub.done("solver", 2, 0.1, ok=True)
+    third, joins3 = pub.plan("solver", 3, "h:1", now=2.0)
+    assert third.group_name != plan.group_name and third.token != plan.token
+    assert {j.token for _, j in joins3} == {third.token}
+
+
+def test_an_actor_whose_loads_keep_failing_is_re_published_a_bounded_number_of_times() -> None:
+    """A refused header or a digest mismatch is a failed load: the actor stays behind and
+    the broker re-publishes to it, MAX_RELOADS times for one version, not forever; the
+    next version's publish includes it again."""
+    pub = publishing("good", "bad")
+    pub.plan("solver", 1, "h:1", now=0.0)
+    pub.done("solver", 1, 0.1, ok=True)
+    pub.loaded("good", "solver", 1, ok=True)
+    pub.loaded("bad", "solver", 1, ok=False)
+    republished = 0
+    while pub.stale_actors("solver", 1, now=10.0 * (republished + 1)) == ["bad"]:
+        plan, joins = pub.plan("solver", 1, "h:1", now=10.0 * (republished + 1))
+        assert plan.members == ["bad"] and len(joins) == 1
+        pub.done("solver", 1, 0.1, ok=True)
+        pub.loaded("bad", "solver", 1, ok=False)
+        republished += 1
+        assert republished <= MAX_RELOADS
+    assert republished == MAX_RELOADS - 1  # 1 publish + 2 re-publishes = 3 failed loads
+    assert pub.counters["weight_republishes_given_up"] == 1
+    assert pub.counters["weight_loads_failed"] == MAX_RELOADS
+    # version 2: a full publish to every actor, "bad" included, and it may fail again
+    plan, _ = pub.plan("solver", 2, "h:1", now=100.0)
+    assert plan.members == ["bad", "good"]
+    pub.done("solver", 2, 0.1, ok=True)
+    pub.loaded("good", "solver", 2, ok=True)
+    pub.loaded("bad", "solver", 2, ok=False)
+    assert pub.stale_actors("solver", 2, now=200.0) == ["bad"]
+    # a load that succeeds clears its count
+    pub.loaded("bad", "solver", 2, ok=True)
+    assert ("bad", "solver") not in pub.failed_loads

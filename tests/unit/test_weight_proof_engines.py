@@ -1,0 +1,268 @@
+"""Weights that prove themselves, as the engines see them: what each expects a publish to
+cover, and what the actor does when a publish is refused (hf and sim roll back; an engine
+whose workers load in place, like vLLM and SGLang, is quarantined), with a real sender in
+a thread over gloo on loopback. vLLM's worker side runs against a fake vLLM worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+import drmas.transports.weights.sender as sender_module
+from drmas.actors.engines import make_engine
+from drmas.actors.engines.expected import expected_for, folder_expected, pack
+from drmas.actors.main import Actor
+from drmas.config import load_config
+from drmas.config.model import WarmStartConfig
+from drmas.models.builtin import resolve_model_path
+from drmas.protocol.messages import JoinWeightGroup, LeaseReturn, WeightsLoaded
+from drmas.transports.weights import Header, WeightSender, check_covers, spec_of
+from drmas.transports.weights.group import Pipeline
+from drmas.transports.weights.layout import WeightSyncError, expected_of
+
+
+class Tampering(Pipeline):
+    """What an on-path change of the bytes looks like: one bit of each bucket flipped
+    after rank 0 fingerprinted it."""
+
+    def push(self, tensor: torch.Tensor, what: str) -> None:
+        tensor = tensor.clone()
+        tensor.view(torch.uint8)[0] ^= 1
+        super().push(tensor, what)
+
+
+class InPlace:
+    """An engine that cannot roll back (as vLLM/SGLang, whose workers load in place)."""
+
+    backup_weights = None  # hides the RollsBack methods from the runtime protocol check
+    restore_weights = None
+
+    def __init__(self, inner: object) -> None:
+        object.__setattr__(self, "_inner", inner)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        setattr(self._inner, name, value)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cache = tmp_path_factory.mktemp("cache")
+    return resolve_model_path("builtin:tiny-qwen2", str(cache), WarmStartConfig(steps=0))
+
+
+@pytest.fixture
+def sender():
+    from drmas.config.transport import WeightSyncConfig
+
+    s = WeightSender(WeightSyncConfig(host="127.0.0.1", timeout_s=10.0))
+    yield s
+    s.close()
+
+
+def learner_specs(model_path: Path) -> list[tuple[str, torch.Tensor]]:
+    """What learner rank 0 publishes for this folder: its named_parameters, in bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from drmas.learners.model_io import hf_name
+
+    lm = AutoModelForCausalLM.from_pretrained(model_path)
+    torch.manual_seed(1)
+    return [
+        (hf_name(n), torch.randn_like(p, dtype=torch.bfloat16)) for n, p in lm.named_parameters()
+    ]
+
+
+def test_the_hf_engine_and_the_folder_expect_exactly_what_the_learner_sends(model_path) -> None:
+    sent = learner_specs(model_path)
+    header = Header(2**20, [spec_of(n, t) for n, t in sent])
+
+    async def main() -> None:
+        engine = make_engine("solver", str(model_path), load_config([]).actor.engine_of("solver"))
+        await engine.start()
+        join = JoinWeightGroup("solver", 1, "g", "h:1", 1, 2, 5.0)
+        expected = expected_for(engine, join)
+        assert expected is not None
+        check_covers(header, expected, "g")  # the learner's header passes
+        with pytest.raises(WeightSyncError, match=f"missing {len(sent) - 1} "):
+            check_covers(Header(2**20, header.tensors[:1]), expected, "g")
+        await engine.close()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))
+    folder = folder_expected(str(model_path))
+    assert folder is not None
+    check_covers(header, folder, "g")  # sim and vLLM expect the same set
+
+
+def run_join(actor: Actor, sender: WeightSender, join: JoinWeightGroup, state, engine) -> list:
+    """The actor takes `join` while rank 0 publishes `state` to it; returns what it sent."""
+    sent: list[Any] = []
+    actor.client.send = sent.append  # type: ignore[method-assign]
+    errors: list[Exception] = []
+
+    def publish() -> None:
+        try:
+            sender.publish(join.group_name, 2, state, 10.0, token=join.token)
+        except WeightSyncError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+
+    async def main() -> None:
+        actor.engines = {"solver": engine}
+        actor.running[7] = asyncio.create_task(asyncio.sleep(60))
+        actor.leases[7] = None  # type: ignore[assignment]
+        actor.started_at[7] = 0.0
+        actor.joins.append((join, time.monotonic()))
+        await actor.sync_weights()
+        for task in actor.running.values():
+            task.cancel()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))
+    thread.join(30)
+    return sent
+
+
+def test_a_tampered_publish_never_goes_live_on_the_hf_engine(
+    model_path, sender, monkeypatch
+) -> None:
+    monkeypatch.setattr(sender_module, "Pipeline", Tampering)
+    cfg = load_config([])
+    actor = Actor(cfg, "a1")
+    engine = make_engine("solver", str(model_path), cfg.actor.engine_of("solver"))
+    asyncio.run(engine.start())
+    before = engine.weights_digest()
+    join = JoinWeightGroup("solver", 1, "g-hf", sender.store_address, 1, 2, 10.0, "tok")
+    sent = run_join(actor, sender, join, learner_specs(model_path), engine)
+    loaded = [m for m in sent if isinstance(m, WeightsLoaded)]
+    assert len(loaded) == 1 and not loaded[0].ok
+    assert "digest" in loaded[0].error and "restored" in loaded[0].error
+    assert engine.version == 0 and engine.weights_digest() == before  # bit for bit
+    asyncio.run(engine.close())
+
+
+def test_a_partial_header_is_refused_by_the_actor_before_loading(
+    model_path, sender, monkeypatch
+) -> None:
+    """The attack of the issue, through the actor: 1 of the model's tensors, NaN-filled."""
+    cfg = load_config([])
+    actor = Actor(cfg, "a1")
+    engine = make_engine("solver", str(model_path), cfg.actor.engine_of("solver"))
+    asyncio.run(engine.start())
+    before = engine.weights_digest()
+    loads: list[int] = []
+    original = engine.load_weights
+    engine.load_weights = lambda t, v: (loads.append(v), original(t, v))  # type: ignore[method-assign]
+    name, tensor = learner_specs(model_path)[0]
+    nan = [(name, torch.full_like(tensor, float("nan")))]
+    join = JoinWeightGroup("solver", 1, "g-part", sender.store_address, 1, 2, 5.0)
+    sent = run_join(actor, sender, join, nan, engine)
+    loaded = [m for m in sent if isinstance(m, WeightsLoaded)]
+    assert len(loaded) == 1 and not loaded[0].ok and "missing" in loaded[0].error
+    assert loads == []  # not a byte reached the model
+    assert engine.weights_digest() == before and engine.version == 0
+    asyncio.run(engine.close())
+
+
+@pytest.mark.parametrize("rolls_back", [True, False])
+def test_a_tampered_publish_rolls_back_sim_and_quarantines_an_in_place_engine(
+    sender, monkeypatch, rolls_back: bool
+) -> None:
+    monkeypatch.setattr(sender_module, "Pipeline", Tampering)
+    cfg = load_config(["actor.engine.name=sim"])
+    actor = Actor(cfg, "a1")
+    sim = make_engine("solver", "", cfg.actor.engine_of("solver"))
+    asyncio.run(sim.start())
+    sim.load_weights([("w", torch.zeros(3))], 1)  # serving v1
+    before = sim.weights_digest()
+    engine = sim if rolls_back else InPlace(sim)
+    join = JoinWeightGroup("solver", 2, f"g-sim-{rolls_back}", sender.store_address, 1, 2, 10.0)
+    sent = run_join(actor, sender, join, [("w", torch.ones(3))], engine)
+    loaded = [m for m in sent if isinstance(m, WeightsLoaded)]
+    assert len(loaded) == 1 and not loaded[0].ok and "digest" in loaded[0].error
+    if rolls_back:
+        assert sim.version == 1 and sim.weights_digest() == before
+        assert 7 in actor.running
+    else:  # half-loaded in place: its groups go back, no lease until a publish loads
+        assert actor.quarantined == {"solver": 1} and sim.version == 1
+        assert any(isinstance(m, LeaseReturn) and m.lease_ids == [7] for m in sent)
+    asyncio.run(sim.close())
+
+
+def vllm_receive(
+    sender: WeightSender, join: JoinWeightGroup, state, expected
+) -> tuple[dict[str, Any], Any]:
+    """One DrmasWorkerExtension.drmas_receive_weights in a fake vLLM worker (the mixin on
+    a class with what it needs of vLLM's Worker) while rank 0 publishes `state`."""
+    from drmas.actors.engines.vllm_worker import DrmasWorkerExtension
+
+    class FakeVllmWorker(DrmasWorkerExtension):
+        def __init__(self) -> None:
+            self.device = torch.device("cpu")
+            self.model = torch.nn.Linear(4, 4, bias=False)
+            self.model_runner = type("Runner", (), {"get_model": lambda _: self.model})()
+            self.reloaded: list[str] = []
+
+        def reload_weights(self, weights_iterator, is_checkpoint_format: bool) -> None:
+            for name, tensor in weights_iterator:
+                self.reloaded.append(name)
+                self.model.weight.data.copy_(tensor)
+
+    def publish() -> None:
+        with contextlib.suppress(WeightSyncError):  # the refused cases fail rank 0 too
+            sender.publish(join.group_name, 2, state, 10.0)
+
+    worker = FakeVllmWorker()
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    reply = worker.drmas_receive_weights(msgspec.msgpack.encode(join), True, pack(expected))
+    thread.join(30)
+    return reply, worker
+
+
+def test_vllm_workers_refuse_a_partial_header_and_tampered_bytes(sender, monkeypatch) -> None:
+    """The worker side of the vllm engine: a header naming 1 of 2 expected tensors never
+    reaches vLLM's reload; tampered bytes fail the reload at its end (before the engine
+    resumes), and the error comes back in the reply, which VLLMEngine raises, so the
+    actor quarantines the engine (the in-place case above)."""
+    linear = [("weight", torch.zeros(4, 4)), ("bias", torch.zeros(4))]
+    state = [("weight", torch.full((4, 4), 2.0))]
+    join = JoinWeightGroup("m", 1, "g-vllm-partial", sender.store_address, 1, 2, 5.0)
+    reply, worker = vllm_receive(sender, join, state, expected_of(linear, "linear"))
+    assert "missing 1" in reply["error"] and worker.reloaded == []
+
+    monkeypatch.setattr(sender_module, "Pipeline", Tampering)
+    join = JoinWeightGroup("m", 1, "g-vllm-tamper", sender.store_address, 1, 2, 10.0)
+    reply, worker = vllm_receive(sender, join, state, expected_of(state, "weight"))
+    assert "digest" in reply["error"] and worker.reloaded == ["weight"]
+
+
+def test_sglang_and_vllm_engines_expect_the_folders_parameters(model_path) -> None:
+    """Neither holds the model in this process: both expect what the folder's architecture
+    names (checked by the actor's receiver for SGLang, in vLLM's workers for vLLM)."""
+    from drmas.actors.engines.sglang import SGLangEngine
+    from drmas.actors.engines.sglang_server import SGLangOptions
+    from drmas.actors.engines.vllm import VLLMEngine
+    from drmas.config.actor import EngineConfig
+
+    header = Header(2**20, [spec_of(n, t) for n, t in learner_specs(model_path)])
+    join = JoinWeightGroup("policy", 1, "g", "h:1", 1, 2, 5.0)
+    sglang = SGLangEngine("policy", model_path, EngineConfig(), SGLangOptions(url="http://x"))
+    vllm = VLLMEngine("policy", model_path, EngineConfig(name="vllm"))
+    for engine in (sglang, vllm):
+        expected = expected_for(engine, join)
+        assert expected is not None
+        check_covers(header, expected, "g")
+        with pytest.raises(WeightSyncError, match="missing 1 "):
+            check_covers(Header(2**20, header.tensors[1:]), expected, "g")
