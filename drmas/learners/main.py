@@ -26,6 +26,11 @@ version, and the final save writes the base plus a PEFT folder per adapter
 With run.resume the group loads the checkpoint of the version the broker's Welcome names
 (drmas/learners/checkpoint.py); the actors still hold older weights, so the broker answers
 the first batch requests with republish and rank 0 sends them the resumed weights.
+
+A rank the broker no longer knows (ErrorReply unknown_client: it was dropped after
+broker.learner_timeout_s of silence, or the broker restarted) stops with LearnerDropped,
+which says so: every later request would be refused too, and its seat is not taken back
+behind the broker's back.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from drmas.learners.trainer import Trainer
 from drmas.protocol.messages import (
     BatchRequest,
     BatchShard,
+    ErrorReply,
     Goodbye,
     Heartbeat,
     NoBatch,
@@ -56,7 +62,7 @@ from drmas.protocol.messages import (
     StepReport,
     WeightGroupPlan,
 )
-from drmas.transports.channel import BrokerClient
+from drmas.transports.channel import BrokerClient, BrokerRefused
 from drmas.transports.digest import Digest, hashing
 from drmas.transports.weights import TensorSpec, WeightSender, WeightSyncError
 
@@ -69,6 +75,10 @@ T = TypeVar("T")
 
 # What rank 0 tells the group after asking the broker for a batch.
 TRAIN, WAIT, STOP, REPUBLISH = 0, 1, 2, 3
+
+
+class LearnerDropped(RuntimeError):
+    """The broker answered unknown_client: it no longer knows this learner rank."""
 
 
 class Learner:
@@ -113,8 +123,25 @@ class Learner:
                 if self.cfg.checkpoint.every and self.version % self.cfg.checkpoint.every == 0:
                     self.save_checkpoint()
             self.finish()
+        except BrokerRefused as exc:
+            if exc.code != "unknown_client":
+                raise
+            raise self.dropped(str(exc)) from None
         finally:
             self.cleanup()
+
+    def dropped(self, refusal: str) -> LearnerDropped:
+        """The error this rank stops with once the broker no longer knows it (logged too)."""
+        cid = self._client.client_id if self._client is not None else "?"
+        message = (
+            f"{self.model} rank {self.rank} stops: the broker no longer knows this learner "
+            f"({cid!r}; {refusal}). It dropped the rank after broker.learner_timeout_s="
+            f"{self.cfg.broker.learner_timeout_s:g} s of silence, or the broker restarted; "
+            "every later request would be refused too. Restart the run (with "
+            "run.resume=RUN_DIR it continues from the last complete checkpoint)."
+        )
+        log.error("%s", message)
+        return LearnerDropped(message)
 
     # ----------------------------------------------------------------- setup
     def join_group(self) -> None:
@@ -193,7 +220,8 @@ class Learner:
             if code == TRAIN:
                 return shard if self.rank == 0 else self.fetch_cut_shard(request)
             if self.rank:
-                self.client.inbox.clear()  # rank 0 alone acts on Shutdown
+                # rank 0 alone acts on Shutdown; an unknown_client refusal stops every rank
+                _shutdown_requested(self.client)
             time.sleep(wait_s)
 
     def ask_for_batch(self, request: BatchRequest) -> tuple[int, BatchShard | None, float]:
@@ -436,8 +464,14 @@ def broadcast_int(value: int, device: torch.device) -> int:
 
 
 def _shutdown_requested(client: BrokerClient) -> bool:
+    """Whether the broker said Shutdown; raises BrokerRefused (unknown_client) if it
+    refused a fire-and-forget message (Heartbeat, StepReport) as from an unknown client."""
+    unknown = [m for m in client.inbox if isinstance(m, ErrorReply) and m.code == "unknown_client"]
     stop = any(isinstance(m, Shutdown) for m in client.inbox)
     client.inbox.clear()  # nothing else the broker pushes concerns a learner
+    if unknown:
+        refused = unknown[0]
+        raise BrokerRefused(f"broker refused {refused.refused}: {refused.reason}", refused.code)
     return stop
 
 
