@@ -10,8 +10,11 @@ failure costs one retry. A bug in the team raises in every group: without a boun
 would go on for ever, re-leasing groups that always fail, with nothing on the console.
 So the first failure is shown in full (file and line in the user's code), later ones
 one line each, and after `actor.max_failed_groups` failed groups in a row with no
-success between them the actor stops, naming the team, the exception and where it was
-raised; `drmas train` then stops the run.
+success between them, failing for at least `actor.min_failing_s`, the actor stops, naming
+the team, the exception and where it was raised; `drmas train` then stops the run. The
+time floor is for tools: a retriever that restarts fails every group that reaches it,
+dozens a second, for a few seconds, and that must not end a long run. Meanwhile a failing
+actor asks for leases more slowly (`backoff_s`), so it does not spin the broker.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import json
 import logging
 import os
 import sysconfig
+import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,6 +57,8 @@ class Failure:
     traceback: str
     failed_groups: int = 1
     """Failed groups in a row when this was written."""
+    failing_s: float = 0.0
+    """Seconds since the first of them."""
     stopped: bool = False
     """True once the actor gave up on the team."""
 
@@ -62,8 +69,9 @@ class Failure:
 
     def stop_message(self) -> str:
         return (
-            f"the {self.team} team failed {self.failed_groups} groups in a row on {self.actor}, "
-            f"each with an exception in its code; the last one: {self.exception} "
+            f"the {self.team} team failed {self.failed_groups} groups in a row in "
+            f"{self.failing_s:.0f} s on {self.actor}, each with an exception in its code; "
+            f"the last one: {self.exception} "
             f"(raised at {self.where}). Fix the team's code and run again."
         )
 
@@ -92,15 +100,27 @@ def _is_user_file(filename: str) -> bool:
 class FailureWatch:
     """Counts failed groups in a row; logs the first failure of each kind in full."""
 
-    def __init__(self, team: str, actor: str, limit: int, report: Path | None) -> None:
-        """`limit`: failed groups in a row after which the actor gives up (0 = never);
-        `report`: where the first failure is written for `drmas train` (None: log only)."""
+    def __init__(
+        self,
+        team: str,
+        actor: str,
+        limit: int,
+        report: Path | None,
+        min_seconds: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`limit`: failed groups in a row after which the actor gives up (0 = never), once
+        they have gone on for `min_seconds`; `report`: where the first failure is written
+        for `drmas train` (None: log only)."""
         self.team = team
         self.actor = actor
         self.limit = limit
+        self.min_seconds = min_seconds
+        self.clock = clock
         self.report = report
         self.in_a_row = 0
-        self.total = 0
+        self.since = 0.0
+        """When the first failure of the current row was counted (clock time)."""
         self.first: Failure | None = None
         self.last: Failure | None = None
         self.shown: set[str] = set()
@@ -111,9 +131,10 @@ class FailureWatch:
 
     def failed(self, exc: BaseException, group_id: int) -> bool:
         """Count one failed group (its lease is handed back by the caller); True when the
-        actor should stop: `limit` groups failed in a row."""
+        actor should stop: `limit` groups failed in a row, over at least `min_seconds`."""
+        if self.in_a_row == 0:
+            self.since = self.clock()
         self.in_a_row += 1
-        self.total += 1
         failure = describe(exc, self.team, self.actor)
         self.last = failure
         if failure.signature not in self.shown and len(self.shown) < 8:
@@ -132,13 +153,22 @@ class FailureWatch:
         if self.first is None:
             self.first = failure
             self.write(failure)
-        return 0 < self.limit <= self.in_a_row
+        return 0 < self.limit <= self.in_a_row and self.failing_s() >= self.min_seconds
+
+    def failing_s(self) -> float:
+        return self.clock() - self.since if self.in_a_row else 0.0
+
+    def backoff_s(self) -> float:
+        """How long to wait before asking for more leases: 0 while groups succeed, then
+        0.1, 0.2, 0.4 s ... up to 1 s as failures go on in a row."""
+        return 0.0 if self.in_a_row == 0 else min(1.0, 0.05 * 2.0 ** min(self.in_a_row, 5))
 
     def gave_up(self) -> Failure:
         """The failure the actor stops with: the last one, counted; also written."""
         assert self.last is not None, "gave_up() follows a failed() that returned True"
         failure = self.last
-        failure.failed_groups, failure.stopped = self.in_a_row, True
+        failure.failed_groups, failure.failing_s = self.in_a_row, self.failing_s()
+        failure.stopped = True
         self.write(failure)
         return failure
 

@@ -119,9 +119,10 @@ class Actor:
             actor_id,
             cfg.actor.max_failed_groups,
             report_path(cfg.run.dir, actor_id),
+            min_seconds=cfg.actor.min_failing_s,
         )
         self.gave_up: Failure | None = None
-        """Set when the team failed actor.max_failed_groups groups in a row: the actor stops."""
+        """Set when the team's code kept failing (actor.max_failed_groups): the actor stops."""
 
     # ----------------------------------------------------------------- setup
     async def start(self) -> None:
@@ -243,7 +244,7 @@ class Actor:
             self.running[lease.lease_id] = asyncio.create_task(
                 self.workflow.run_group(lease.task, sampling, lease.group_size)
             )
-        return reply.retry_after_s
+        return max(reply.retry_after_s, self.failures.backoff_s())
 
     async def send_finished(self) -> None:
         for lease_id in [i for i, t in self.running.items() if t.done()]:

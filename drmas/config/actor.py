@@ -142,6 +142,9 @@ class ActorConfig:
     """Groups whose team code (run_episode, a tool, the reward) raised, in a row with no
     success between, after which the actor stops with the team's error (and `drmas train`
     stops the run); each failed group's lease is handed back. 0 = never stop."""
+    min_failing_s: NonNegativeFloat = 10.0
+    """...and only once the failures in a row have gone on this long: a tool that is down
+    for a moment (a retriever restarting) fails many groups at once in less time."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine of every pool on this actor unless `pools` names the pool's model."""
     pools: dict[str, EngineConfig] = field(default_factory=dict)

@@ -104,7 +104,7 @@ def test_failed_groups_in_a_row_stop_a_success_resets_the_count(
     assert read_report(report) == stopped
     assert stopped.stopped and stopped.failed_groups == 3
     message = stopped.stop_message()
-    assert "the mine team failed 3 groups in a row on actor-0" in message
+    assert "the mine team failed 3 groups in a row in 0 s on actor-0" in message
     assert "AttributeError" in message and f"{tmp_path / 'my_team.py'}:5 in broken" in message
 
 
@@ -112,6 +112,27 @@ def test_zero_never_stops(tmp_path: Path) -> None:
     watch = FailureWatch("mine", "actor-0", limit=0, report=None)
     exc = raised(user_code(tmp_path, "broken"), None)
     assert not any(watch.failed(exc, i) for i in range(100))
+
+
+def test_a_short_outage_does_not_stop_the_actor(tmp_path: Path) -> None:
+    """Many groups failing within min_seconds (a tool down for a moment) are not enough;
+    the same failures going on past it are. Meanwhile leases are asked for more slowly."""
+    now = [100.0]
+    watch = FailureWatch("mine", "a", 3, None, min_seconds=10.0, clock=lambda: now[0])
+    exc = raised(user_code(tmp_path, "broken"), None)
+    assert watch.backoff_s() == 0.0
+    assert not any(watch.failed(exc, i) for i in range(50))  # 50 failures at t=100
+    assert watch.backoff_s() == 1.0
+    now[0] = 109.0
+    watch.succeeded()  # the tool is back
+    assert watch.backoff_s() == 0.0
+    assert not watch.failed(exc, 51)  # a new row starts at t=109
+    assert watch.backoff_s() == 0.1
+    now[0] = 118.0
+    assert not watch.failed(exc, 52) and not watch.failed(exc, 53)  # 3 in a row, 9 s
+    now[0] = 119.0
+    assert watch.failed(exc, 54)  # 4 in a row, 10 s
+    assert watch.gave_up().failing_s == 10.0
 
 
 def test_a_raising_tool_or_reward_is_named(tmp_path: Path) -> None:
@@ -149,7 +170,10 @@ def lease(lease_id: int) -> Lease:
 def test_the_actor_hands_leases_back_and_stops_after_the_limit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cfg = load_config(["actor.engine.name=sim", "actor.max_failed_groups=3", f"run.dir={tmp_path}"])
+    cfg = load_config(
+        ["actor.engine.name=sim", "actor.max_failed_groups=3", "actor.min_failing_s=0",
+         f"run.dir={tmp_path}"]
+    )  # fmt: skip
     actor = Actor(cfg, "actor-0")
     sent: list[object] = []
     monkeypatch.setattr(actor.client, "send", sent.append)
