@@ -20,9 +20,29 @@ imports nothing of the project.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+
+from drmas.protocol.wire_limits import (
+    MAX_ADAPTERS,
+    MAX_EPISODE_STEPS,
+    MAX_GROUP_EPISODES,
+    MAX_LEASE_IDS,
+    MAX_LIST,
+    MAX_METRICS,
+    MAX_MODELS,
+    MAX_WIRE_EPISODE_METRICS,
+    AdapterVersions,
+    Id,
+    LeaseIds,
+    LongText,
+    Models,
+    Name,
+    Names,
+    Text,
+    Versions,
+)
 
 PROTOCOL_VERSION = 5
 
@@ -43,30 +63,32 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
 # any -> broker: first message of a connection. Refused if protocol_version differs.
 class Hello(_Msg, tag="hello"):
     role: Role
-    client_id: str
+    client_id: Id
     protocol_version: int
-    models: list[str] = []  # actor: models it serves; learner: [its model]
+    models: Models = []  # actor: models it serves; learner: [its model]
     rank: int = 0  # learner: rank within its model's learner group
     world_size: int = 1  # learner: ranks in its model's learner group
     pid: int = 0
-    host: str = ""
+    host: Id = ""
 
 
 # broker -> any: answer to Hello.
 class Welcome(_Msg, tag="welcome"):
-    run_id: str
-    model_versions: dict[str, int]  # model -> current weight version (batches trained)
-    agent_models: dict[str, str]  # agent -> model it is bound to
+    run_id: Id
+    model_versions: Versions  # model -> current weight version (batches trained)
+    agent_models: Annotated[
+        dict[Name, Name], msgspec.Meta(max_length=MAX_ADAPTERS)
+    ]  # agent -> model
     heartbeat_interval_s: float
 
 
 # actor/learner -> broker, every heartbeat_interval_s; no reply.
 class Heartbeat(_Msg, tag="heartbeat"):
-    client_id: str
-    versions: dict[str, int] = {}  # model -> weight version held
+    client_id: Id
+    versions: Versions = {}  # model -> weight version held
     running_groups: int = 0
     # actor: seconds spent in each of ACTOR_TIME_STATES since it started (cumulative)
-    time_s: dict[str, float] = {}
+    time_s: Annotated[dict[Name, float], msgspec.Meta(max_length=16)] = {}
 
 
 ACTOR_TIME_STATES = ("generating", "waiting_for_leases", "loading_weights")
@@ -75,26 +97,27 @@ ACTOR_TIME_STATES = ("generating", "waiting_for_leases", "loading_weights")
 
 # actor -> broker on clean exit: leases it hands back unfinished; no reply.
 class Goodbye(_Msg, tag="goodbye"):
-    client_id: str
-    lease_ids: list[int] = []
+    client_id: Id
+    lease_ids: LeaseIds = []
 
 
 # actor -> broker: leases it cannot finish (a failed group); they are re-issued. No reply.
 class LeaseReturn(_Msg, tag="lease_return"):
-    client_id: str
-    lease_ids: list[int]
-    reason: str = ""
+    client_id: Id
+    lease_ids: LeaseIds
+    reason: Text = ""
 
 
 # ------------------------------------------------------------------- rollout
 class Task(msgspec.Struct, forbid_unknown_fields=True):
     """One prompt of the task source, carried in a lease."""
 
-    task_id: str
-    question: str
-    answer: str  # gold answer, graded on the actor
-    source: str = ""
-    answers: list[str] = []  # every accepted answer when there are several (QA); [] = [answer]
+    task_id: Id
+    question: LongText
+    answer: LongText  # gold answer, graded on the actor
+    source: Id = ""
+    # every accepted answer when there are several (QA); [] = [answer]
+    answers: Annotated[list[LongText], msgspec.Meta(max_length=MAX_LEASE_IDS)] = []
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -105,9 +128,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
 
 # actor -> broker: ask for up to max_groups leases.
 class LeaseRequest(_Msg, tag="lease_request"):
-    client_id: str
+    client_id: Id
     max_groups: int
-    versions: dict[str, int]  # model -> weight version the actor holds now
+    versions: Versions  # model -> weight version the actor holds now
 
 
 class Lease(msgspec.Struct, forbid_unknown_fields=True):
@@ -124,9 +147,9 @@ class Lease(msgspec.Struct, forbid_unknown_fields=True):
 
 # broker -> actor: answer to LeaseRequest; an empty list means "ask again later".
 class Leases(_Msg, tag="leases"):
-    leases: list[Lease]
+    leases: Annotated[list[Lease], msgspec.Meta(max_length=MAX_LIST)]
     retry_after_s: float = 0.0
-    reason: str = ""  # why fewer than asked (admission control, stale weights, done)
+    reason: Text = ""  # why fewer than asked (admission control, stale weights, done)
 
 
 class Step(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -165,20 +188,20 @@ class Episode(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 class StepHeader(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """A Step without its arrays: those are spans of the GroupResult's buffers."""
 
-    agent: str
-    model: str
+    agent: Name
+    model: Name
     prompt_len: int  # tokens of this step in GroupResult.prompt_ids
     response_len: int  # tokens of this step in GroupResult.response_ids / logprobs
     version: int
     valid: bool
-    finish_reason: str
+    finish_reason: Annotated[str, msgspec.Meta(max_length=16)]
     reward: float | None = None  # Step.reward
 
 
 class EpisodeHeader(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    steps: list[StepHeader]
+    steps: Annotated[list[StepHeader], msgspec.Meta(max_length=MAX_EPISODE_STEPS)]
     reward: float
-    metrics: dict[str, float] = {}
+    metrics: Annotated[dict[Name, float], msgspec.Meta(max_length=MAX_WIRE_EPISODE_METRICS)] = {}
 
 
 # actor -> broker: all episodes of one lease. Answered by Accepted.
@@ -186,10 +209,10 @@ class EpisodeHeader(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 # (episode by episode, step by step) into three buffers, so the broker decodes three
 # byte strings and validates them in one vectorised pass instead of three per step.
 class GroupResult(_Msg, tag="group_result", gc=False):
-    client_id: str
+    client_id: Id
     lease_id: int
     group_id: int
-    episodes: list[EpisodeHeader]
+    episodes: Annotated[list[EpisodeHeader], msgspec.Meta(max_length=MAX_GROUP_EPISODES)]
     # Decoded as views into the received frame (no copy of the group's tokens); the
     # frame lives as long as a view does.
     prompt_ids: memoryview  # int32 LE, sum of prompt_len
@@ -272,26 +295,26 @@ def pack_group(
 class Accepted(_Msg, tag="accepted"):
     lease_id: int
     accepted: bool
-    reason: str = ""
+    reason: Text = ""
 
 
 # ------------------------------------------------------------------ learning
 # learner rank -> broker: "give me my shard of the batch for `version`".
 class BatchRequest(_Msg, tag="batch_request"):
-    client_id: str
-    model: str
+    client_id: Id
+    model: Name
     rank: int
     world_size: int
     version: int  # learner's current weight version = the step it is about to take
     # LoRA base: adapter -> its own version at `version` (the optimizer steps that changed
     # it); the broker's staleness bound counts those. Empty for a whole model.
-    adapter_versions: dict[str, int] = {}
+    adapter_versions: AdapterVersions = {}
 
 
 class Sample(msgspec.Struct, forbid_unknown_fields=True):
     """One step turned into a training sequence."""
 
-    agent: str
+    agent: Name
     prompt_ids: bytes  # [P] int32 LE
     response_ids: bytes  # [T] int32 LE
     logprobs: bytes  # [T] float32 LE behaviour log-probs
@@ -302,12 +325,13 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True):
 # broker -> learner rank: its shard. Every rank of a step gets the same number of samples
 # (padded with zero-weight copies), so FSDP collectives line up.
 class BatchShard(_Msg, tag="batch_shard"):
-    model: str
+    model: Name
     version: int
     rank: int
     world_size: int
-    samples: list[Sample]
-    weights: list[float]  # per sample: 1.0, or 0.0 for a padding copy
+    samples: Annotated[list[Sample], msgspec.Meta(max_length=MAX_LIST)]
+    # per sample: 1.0, or 0.0 for a padding copy
+    weights: Annotated[list[float], msgspec.Meta(max_length=MAX_LIST)]
     total_samples: int  # real samples over all ranks (for sequence-mean losses)
     total_tokens: int  # real response tokens over all ranks (for token-mean losses)
 
@@ -315,75 +339,75 @@ class BatchShard(_Msg, tag="batch_shard"):
 # broker -> learner rank: no batch yet (retry later) or training is over (done=True).
 class NoBatch(_Msg, tag="no_batch"):
     retry_after_s: float
-    reason: str = ""
+    reason: Text = ""
     done: bool = False
     republish: bool = False  # some actors hold older weights: publish the current version again
 
 
 # learner rank 0 -> broker after each trained batch (its PPO updates); no reply.
 class StepReport(_Msg, tag="step_report"):
-    model: str
+    model: Name
     version: int  # new version after the step
-    metrics: dict[str, float]
+    metrics: Annotated[dict[Name, float], msgspec.Meta(max_length=MAX_METRICS)]
 
 
 # learner rank 0 -> broker: wants to broadcast `version`; its weight-group store listens
 # at store_address ("host:port"). Answered by WeightGroupPlan.
 class PublishRequest(_Msg, tag="publish_request"):
-    model: str
+    model: Name
     version: int
-    store_address: str
-    adapter_versions: dict[str, int] = {}  # LoRA base: as in BatchRequest, at `version`
+    store_address: Text
+    adapter_versions: AdapterVersions = {}  # LoRA base: as in BatchRequest, at `version`
 
 
 # broker -> learner rank 0: who receives. Learner is rank 0, members[i] is rank i + 1.
 class WeightGroupPlan(_Msg, tag="weight_group_plan"):
-    model: str
+    model: Name
     version: int
-    group_name: str
-    members: list[str]
+    group_name: Id
+    members: Annotated[list[Id], msgspec.Meta(max_length=MAX_LIST)]
     timeout_s: float
     # LoRA base: the adapters this publish carries, those whose version differs from what
     # some member holds (the others every member holds already). Unused for a whole model.
-    adapters: list[str] = []
-    token: str = ""  # the group's secret, members prove it at join ("" = no check)
+    adapters: Names = []
+    token: Text = ""  # the group's secret, members prove it at join ("" = no check)
 
 
 # broker -> actor, unsolicited: join this weight group and receive `version` of `model`.
 class JoinWeightGroup(_Msg, tag="join_weight_group"):
-    model: str
+    model: Name
     version: int
-    group_name: str
-    store_address: str
+    group_name: Id
+    store_address: Text
     rank: int
     world_size: int
     timeout_s: float
-    token: str = ""  # the group's secret (as in its WeightGroupPlan), proven at join
-    adapters: list[str] = []  # LoRA base: what the publish carries (the header must match)
+    token: Text = ""  # the group's secret (as in its WeightGroupPlan), proven at join
+    adapters: Names = []  # LoRA base: what the publish carries (the header must match)
 
 
 # actor -> broker after a JoinWeightGroup: loaded (ok) or failed (error says why).
 class WeightsLoaded(_Msg, tag="weights_loaded"):
-    client_id: str
-    model: str
+    client_id: Id
+    model: Name
     version: int
     seconds: float
     ok: bool = True
-    error: str = ""
-    digest: str = ""  # fingerprint of the engine's weights after loading ("" = not computed)
+    error: Text = ""
+    digest: Text = ""  # fingerprint of the engine's weights after loading ("" = not computed)
 
 
 # learner rank 0 -> broker after the broadcast of a WeightGroupPlan.
 class PublishDone(_Msg, tag="publish_done"):
-    model: str
+    model: Name
     version: int
     seconds: float
     bytes: int
     ok: bool = True
-    error: str = ""
+    error: Text = ""
     # fingerprint of the weights sent ("" = not computed); on a LoRA base, of every adapter
     # at `version`, also those the publish did not carry (what each actor must then hold)
-    digest: str = ""
+    digest: Text = ""
 
 
 # ------------------------------------------------------------------- control
@@ -393,10 +417,10 @@ class StatusRequest(_Msg, tag="status_request"):
 
 
 class ActorStatus(msgspec.Struct, forbid_unknown_fields=True):
-    client_id: str
-    host: str
+    client_id: Id
+    host: Id
     pid: int
-    versions: dict[str, int]
+    versions: Versions
     leases: int  # leases held now
     groups_done: int
     episodes_done: int
@@ -412,26 +436,28 @@ class ModelStatus(msgspec.Struct, forbid_unknown_fields=True):
 
 # broker -> client.
 class StatusReply(_Msg, tag="status_reply"):
-    run_id: str
+    run_id: Id
     uptime_s: float
-    actors: list[ActorStatus]
-    models: dict[str, ModelStatus]
+    actors: Annotated[list[ActorStatus], msgspec.Meta(max_length=MAX_LIST)]
+    models: Annotated[dict[Name, ModelStatus], msgspec.Meta(max_length=MAX_MODELS)]
     queued_tasks: int
     in_flight_groups: int
-    counters: dict[str, int]  # refused messages, re-issued leases, dropped groups, ...
+    counters: Annotated[
+        dict[Text, int], msgspec.Meta(max_length=MAX_LIST)
+    ]  # refused messages, re-issued leases, dropped groups, ...
     done: bool
 
 
 # broker -> sender of a message it refused.
 class ErrorReply(_Msg, tag="error"):
-    code: str  # "bad_frame" | "protocol_version" | "invalid" | "unknown_client" | ...
-    reason: str
-    refused: str = ""  # type tag of the refused message ("" when it could not be decoded)
+    code: Name  # "bad_frame" | "protocol_version" | "invalid" | "unknown_client" | ...
+    reason: Text
+    refused: Name = ""  # type tag of the refused message ("" when it could not be decoded)
 
 
 # broker -> actors and learners: training is over, exit cleanly.
 class Shutdown(_Msg, tag="shutdown"):
-    reason: str
+    reason: Text
 
 
 ToBroker = (
