@@ -266,3 +266,41 @@ def test_sglang_and_vllm_engines_expect_the_folders_parameters(model_path) -> No
         check_covers(header, expected, "g")
         with pytest.raises(WeightSyncError, match="missing 1 "):
             check_covers(Header(2**20, header.tensors[1:]), expected, "g")
+
+
+def test_on_a_lora_base_a_publish_must_carry_whole_adapters_it_names(model_path) -> None:
+    """The hf engine (its live adapters) and the folder-built expectation of sim, vLLM and
+    SGLang agree; a join naming adapter "x" takes every parameter of "x" and nothing
+    else; a join naming none (an older broker) takes whole adapters only."""
+    from drmas.actors.engines.expected import adapters_expected
+    from drmas.actors.engines.hf import HFEngine
+    from drmas.config.actor import EngineConfig
+    from drmas.config.model import LoraConfig
+    from drmas.models.lora import adapter_of_param
+
+    lora = LoraConfig(rank=4, init_seed=3)
+
+    async def main() -> None:
+        engine = HFEngine("policy", model_path, EngineConfig(device="cpu"), lora, ["x", "y"])
+        await engine.start()
+        every = [spec_of(n, t) for n, t in engine._adapter_params.items()]
+        await engine.close()
+        of_x = [s for s in every if adapter_of_param(s.name) == "x"]
+        of_y = [s for s in every if adapter_of_param(s.name) == "y"]
+        assert of_x and of_y and len(of_x) == len(of_y)
+        for expect in (
+            lambda carried: engine.expected_weights(carried),
+            lambda carried: adapters_expected(model_path, lora, ["x", "y"], carried),
+        ):
+            only_x = expect(["x"])
+            check_covers(Header(2**20, of_x), only_x, "g")
+            for wrong, match in ((of_x[1:], "missing 1 "), (of_x + of_y[:1], "unknown 1 ")):
+                with pytest.raises(WeightSyncError, match=match):
+                    check_covers(Header(2**20, wrong), only_x, "g")
+            unnamed = expect([])
+            for whole in ([], of_y, of_x + of_y):
+                check_covers(Header(2**20, whole), unnamed, "g")
+            with pytest.raises(WeightSyncError, match="missing 1 "):
+                check_covers(Header(2**20, of_x + of_y[1:]), unnamed, "g")
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))

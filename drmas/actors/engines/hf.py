@@ -243,9 +243,15 @@ class HFEngine:
     def expected_weights(self, adapters: Sequence[str]) -> Expected | None:
         """What a publish must carry (drmas/actors/engines/expected.py): every parameter,
         by the names named_parameters() gives (the learner sends exactly those); on a LoRA
-        base every parameter of the adapters the publish carries, and nothing else."""
+        base every parameter of the adapters the publish carries, and nothing else (a join
+        that names none: whole adapters only)."""
         if self.model is None:
             return None
+        if self.adapters and not adapters:
+            every = expected_of(
+                self._adapter_params.items(), f"whole adapters of {self.model_name}"
+            )
+            return Expected(every.specs, every.what, adapter_of_param)
         if self.adapters:
             carried = set(adapters)
             return expected_of(

@@ -291,11 +291,12 @@ class SGLangEngine:
     def expected_weights(self, adapters: Sequence[str]) -> Expected | None:
         """What a publish must carry (drmas/actors/engines/expected.py), checked by the
         actor's receiver before a bucket is forwarded: every parameter of the model
-        folder's architecture; None on a LoRA base (adapter publishes: sizes only)."""
-        if self.adapters is not None:
-            return None
-        from drmas.actors.engines.expected import folder_expected
+        folder's architecture; on a LoRA base of the adapters the publish carries."""
+        from drmas.actors.engines.expected import adapters_expected, folder_expected
 
+        if self.adapters is not None:
+            held = self.adapters
+            return adapters_expected(held.model_path, held.lora, held.adapters, adapters)
         return folder_expected(self.model_path)
 
     def backup_weights(self) -> object:

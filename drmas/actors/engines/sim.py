@@ -191,12 +191,14 @@ class SimEngine:
 
     def expected_weights(self, adapters: Sequence[str]) -> Expected | None:
         """What a publish must carry (drmas/actors/engines/expected.py): every parameter of
-        the model folder's architecture; None (sizes checked only) without a folder or on a
-        LoRA base, whose adapter names the sim engine does not build."""
-        if self.model_path is None or self.adapters:
-            return None
-        from drmas.actors.engines.expected import folder_expected
+        the model folder's architecture, on a LoRA base of the adapters the publish carries;
+        None (sizes checked only) without a model folder."""
+        from drmas.actors.engines.expected import adapters_expected, folder_expected
 
+        if self.model_path is None:
+            return None
+        if self.adapters and self.lora is not None:
+            return adapters_expected(self.model_path, self.lora, self.adapters, adapters)
         return folder_expected(str(self.model_path))
 
     def backup_weights(self) -> object:

@@ -56,7 +56,7 @@ import msgspec
 
 from drmas.actors.engines import vllm_lora
 from drmas.actors.engines.base import GenerateRequest, GenerateResult, check_request
-from drmas.actors.engines.expected import folder_expected, pack
+from drmas.actors.engines.expected import adapters_expected, folder_expected, pack
 from drmas.config.actor import EngineConfig
 from drmas.transports.weights import Expected, WeightSyncError
 
@@ -380,8 +380,10 @@ class VLLMEngine:
         key; the base is unchanged. The digest covers every adapter, received or kept."""
         assert self.adapters is not None
 
+        expected = pack(self.expected_weights(join.adapters))
+
         async def fetch(folders: dict[str, str]) -> dict[str, Any]:
-            return await self._worker_call("drmas_receive_adapters", join, folders)
+            return await self._worker_call("drmas_receive_adapters", join, folders, expected)
 
         found, reply = await self.adapters.receive(self.llm, join.version, fetch, digest)
         self.version, self._digest = join.version, found
@@ -412,11 +414,12 @@ class VLLMEngine:
         self.version, self._digest = version, found
 
     def expected_weights(self, adapters: Sequence[str]) -> Expected | None:
-        """What a publish must carry (drmas/actors/engines/expected.py): every parameter of
-        the model folder's architecture, by Hugging Face name (what the workers' reload
-        path takes); None on a LoRA base (adapter publishes are checked for size only)."""
+        """What a publish must carry (drmas/actors/engines/expected.py), checked in the
+        workers: every parameter of the model folder's architecture, by Hugging Face name
+        (what their reload path takes); on a LoRA base of the adapters it carries."""
         if self.adapters is not None:
-            return None
+            held = self.adapters
+            return adapters_expected(self.model_path, held.lora, held.adapters, adapters)
         return folder_expected(str(self.model_path))
 
     def backup_weights(self) -> object:

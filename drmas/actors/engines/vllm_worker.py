@@ -95,7 +95,7 @@ class DrmasWorkerExtension:
         return reply
 
     def drmas_receive_adapters(
-        self, join_payload: bytes, folders: dict[str, str]
+        self, join_payload: bytes, folders: dict[str, str], expected: bytes = b""
     ) -> dict[str, Any]:
         """LoRA base: receive one publish of adapter tensors and write each received
         adapter's adapter_model.safetensors into `folders[adapter]` (created; the engine
@@ -107,7 +107,8 @@ class DrmasWorkerExtension:
             join = msgspec.msgpack.decode(join_payload, type=JoinWeightGroup)
             receiver = self._drmas_weight_receiver()
             # copies: the receiver reuses its bucket buffers, and the files are written last
-            named = [(name, t.to("cpu", copy=True)) for name, t in receiver.receive(join)]
+            received = receiver.receive(join, unpack(expected))  # checked as in the above
+            named = [(name, t.to("cpu", copy=True)) for name, t in received]
             receiver.release()
             paths = {adapter: Path(folder) for adapter, folder in folders.items()}
             written = write_adapter_tensors(named, paths)

@@ -7,7 +7,7 @@ anything from it. No sockets and no process groups here (group.py has those).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -161,10 +161,15 @@ engine's; the engine casts on copy). Any other dtype must match exactly."""
 class Expected:
     """What a receiver must get before it loads a byte: exactly these tensors (name ->
     shape and dtype name of the engine's own tensor), each once, nothing else. `what`
-    names the set for the error message ("every parameter of m", "adapters a, b")."""
+    names the set for the error message ("every parameter of m", "adapters a, b").
+
+    With `group_of` (name -> its group, e.g. the LoRA adapter a parameter belongs to) a
+    header may carry any set of whole groups instead: every tensor of each group it
+    touches, none of a group partly."""
 
     specs: Mapping[str, tuple[tuple[int, ...], str]]
     what: str
+    group_of: Callable[[str], str] | None = None
 
 
 def header_bytes(header: Header) -> int:
@@ -177,12 +182,17 @@ def check_covers(header: Header, expected: Expected, group: str) -> None:
     the rest of the model at the previous version, an extra name would write where it
     must not), or whose shapes or dtypes differ. Runs before any bucket is received."""
     names = [spec.name for spec in header.tensors]
-    missing = sorted(set(expected.specs) - set(names))
+    required = set(expected.specs)
+    if expected.group_of is not None:
+        group_of = expected.group_of
+        touched = {group_of(n) for n in names if n in expected.specs}
+        required = {n for n in expected.specs if group_of(n) in touched}
+    missing = sorted(required - set(names))
     extra = sorted(set(names) - set(expected.specs))
     if missing or extra or len(names) != len(set(names)):
         raise WeightSyncError(
             f"weight group {group!r}: the header names {len(names)} tensors, "
-            f"{len(expected.specs)} expected ({expected.what}): missing {len(missing)} "
+            f"{len(required)} expected ({expected.what}): missing {len(missing)} "
             f"{_few(missing)}, unknown {len(extra)} {_few(extra)}, "
             f"repeated {len(names) - len(set(names))}; refusing it before loading anything"
         )
