@@ -8,7 +8,7 @@
     drmas retriever [overrides]               serve retriever.name (bm25/dense) over HTTP
     drmas probe   [overrides] [--config F]    Lemma 4.2 on the team's learner: RUN_DIR/probe.json
     drmas eval    [RUN_DIR] [--step N] [--model M=DIR] [--data F]  avg@k / pass@k per source
-    drmas status  ADDRESS [--json] [--keys D] what is attached to a running broker
+    drmas status  RUN_DIR|ADDRESS [--json]    what is attached to a running broker
     drmas keys    DIR [--clients a,b]         CURVE key pairs for broker and clients
     drmas data    math|search FILE... --out F downloaded datasets -> drmas task JSONL
     drmas report  RUN_DIR... --out DIR        plots and gradient-spike statistics of runs

@@ -155,7 +155,11 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _status_arguments(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("address", help="broker address, e.g. tcp://127.0.0.1:5555")
+    sp.add_argument(
+        "address",
+        help="a run folder (its config.yaml names the broker and its keys) or a broker "
+        "address, e.g. tcp://127.0.0.1:5555",
+    )
     sp.add_argument("--json", action="store_true", help="print JSON")
     sp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
     sp.add_argument(

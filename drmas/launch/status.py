@@ -1,29 +1,108 @@
-"""`drmas status ADDRESS [--keys DIR]`: ask a running broker what is attached.
+"""`drmas status RUN_DIR|ADDRESS [--keys DIR]`: ask a running broker what is attached.
 
     drmas status ── StatusRequest ──> broker ── StatusReply ──> tables (or --json) on stdout
 
-One request, answered from the broker's state; it changes nothing there."""
+One request, answered from the broker's state; it changes nothing there. Given a run
+folder, the broker's address (and, for a CURVE broker, its keys folder) is read from the
+RUN_DIR/config.yaml that `drmas train` / `drmas prepare` wrote."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+import yaml
+import zmq
 
 if TYPE_CHECKING:
     from drmas.protocol.messages import StatusReply
 
 
+class StatusError(ValueError):
+    """What was given names no broker; the message says what to pass."""
+
+
+@dataclass
+class Broker:
+    """Where to ask: its address, the keys folder of a CURVE broker ("" = none) and the
+    run folder it was found in (None: an address was given)."""
+
+    address: str
+    keys_dir: str = ""
+    run_dir: Path | None = None
+
+
+def find_broker(target: str, keys_dir: str = "") -> Broker:
+    """`target` is a broker address (tcp://HOST:PORT, ipc://, inproc://) or a run folder
+    (or its config.yaml); `keys_dir`, when given, wins over the run's. StatusError when it
+    is neither."""
+    if "://" in target:
+        return Broker(target, keys_dir)
+    path = Path(target).expanduser()
+    config = path / "config.yaml" if path.is_dir() else path
+    if not config.is_file():
+        raise StatusError(
+            f"{target!r} is neither a broker address nor a run folder ({config} does not "
+            "exist). Pass the run folder `drmas train` printed (its config.yaml names the "
+            "broker) or the broker's address, e.g. tcp://127.0.0.1:5555 (broker.address)"
+        )
+    saved = _read_yaml(config)
+    broker, security = saved.get("broker") or {}, saved.get("security") or {}
+    address = broker.get("address") if isinstance(broker, dict) else None
+    if not isinstance(address, str) or "://" not in address or address.endswith(":0"):
+        raise StatusError(
+            f"{config} names no broker address to reach (broker.address={address!r}); pass "
+            "the broker's address instead, e.g. tcp://127.0.0.1:5555"
+        )
+    if not keys_dir and isinstance(security, dict) and security.get("curve"):
+        keys_dir = str(security.get("keys_dir") or "")
+    return Broker(_reachable(address), keys_dir, config.parent)
+
+
+def _read_yaml(config: Path) -> dict[str, Any]:
+    try:
+        saved = yaml.safe_load(config.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise StatusError(f"cannot read {config}: {exc}") from None
+    if not isinstance(saved, dict):
+        raise StatusError(f"{config} is not a drmas config (a mapping of settings)")
+    return saved
+
+
+def _reachable(address: str) -> str:
+    """The broker's bind address as a client connects to it: a wildcard host (* or
+    0.0.0.0) means this machine."""
+    scheme, _, rest = address.partition("://")
+    host, sep, port = rest.rpartition(":")
+    if scheme == "tcp" and sep and host in ("*", "0.0.0.0"):
+        return f"tcp://127.0.0.1:{port}"
+    return address
+
+
 def print_status(
-    address: str, *, as_json: bool, timeout_s: float, keys_dir: str = "", client_name: str = ""
+    target: str, *, as_json: bool, timeout_s: float, keys_dir: str = "", client_name: str = ""
 ) -> int:
-    """Ask once; a CURVE broker needs keys_dir and one of its client key pairs. Exit code 0
-    printed, 1 the broker did not answer in `timeout_s`, 2 the keys are unusable."""
-    reply = ask_status(address, timeout_s, keys_dir, client_name)
+    """Ask once; `target` is a run folder or a broker address; a CURVE broker needs a keys
+    folder (given, or the run's) and one of its client key pairs. Exit code 0 printed, 1 the
+    broker did not answer in `timeout_s`, 2 nothing to ask or the keys are unusable."""
+    try:
+        broker = find_broker(target, keys_dir)
+    except StatusError as exc:
+        print(f"drmas status: {exc}", file=sys.stderr)
+        return 2
+    reply = ask_status(broker.address, timeout_s, broker.keys_dir, client_name)
+    ended = broker.run_dir is not None and (broker.run_dir / "train_summary.json").exists()
+    if isinstance(reply, int) and reply == 1 and ended:
+        print(
+            f"drmas status: the last drmas train in {broker.run_dir} has ended "
+            "(train_summary.json): a run that is not running has no broker to ask",
+            file=sys.stderr,
+        )
     if isinstance(reply, int):
         return reply
     if as_json:
@@ -49,6 +128,13 @@ def ask_status(
         client = BrokerClient(address, f"status-{os.getpid()}", security=security)
     except SecurityError as exc:
         print(f"drmas status: {exc}", file=sys.stderr)
+        return 2
+    except zmq.ZMQError as exc:  # not an address ZeroMQ can connect to
+        print(
+            f"drmas status: cannot connect to {address!r} ({exc}); pass a broker address "
+            "such as tcp://127.0.0.1:5555, or a run folder",
+            file=sys.stderr,
+        )
         return 2
     try:
         return client.request(StatusRequest(), StatusReply, timeout_s)

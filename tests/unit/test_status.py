@@ -1,0 +1,101 @@
+"""`drmas status` takes a run folder as well as an address: the broker's address (and a
+CURVE broker's keys folder) are read from RUN_DIR/config.yaml. Anything else is refused
+with a message saying what to pass (it used to crash with a ZMQError)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import zmq
+
+from drmas.config import load_config, to_yaml
+from drmas.launch.cli import main
+from drmas.launch.status import Broker, StatusError, find_broker
+from drmas.protocol import decode_to_broker, encode
+from drmas.protocol.messages import StatusReply, StatusRequest
+
+
+def write_run(run_dir: Path, *overrides: str) -> Path:
+    """A run folder as `drmas train` leaves it: its resolved config.yaml."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(load_config(list(overrides))))
+    return run_dir
+
+
+def test_a_run_folder_names_its_broker_and_keys(tmp_path: Path) -> None:
+    assert find_broker("tcp://10.0.0.5:5555") == Broker("tcp://10.0.0.5:5555")
+    run = write_run(tmp_path / "run", "broker.address=tcp://10.0.0.5:5601")
+    assert find_broker(str(run)) == Broker("tcp://10.0.0.5:5601", "", run)
+    assert find_broker(str(run / "config.yaml")) == Broker("tcp://10.0.0.5:5601", "", run)
+    # a wildcard bind is reached on this machine; a CURVE run's keys come along
+    curve = write_run(
+        tmp_path / "curve",
+        "broker.address=tcp://0.0.0.0:5602",
+        "security.curve=true",
+        f"security.keys_dir={tmp_path / 'keys'}",
+    )
+    assert find_broker(str(curve)) == Broker("tcp://127.0.0.1:5602", str(tmp_path / "keys"), curve)
+    assert find_broker(str(curve), "/mine").keys_dir == "/mine"  # --keys wins
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        ("nothing", "is neither a broker address nor a run folder"),
+        ("empty folder", r"config\.yaml does not exist"),
+        ("port 0", r"names no broker address to reach \(broker\.address='tcp://127\.0\.0\.1:0'\)"),
+        ("not yaml", "is not a drmas config"),
+    ],
+)
+def test_what_is_not_a_run_folder_is_refused_saying_what_to_pass(
+    tmp_path: Path, setup: str, expected: str
+) -> None:
+    target = tmp_path / "run"
+    if setup == "empty folder":
+        target.mkdir()
+    elif setup == "port 0":  # a config written before a port was chosen
+        write_run(target)
+    elif setup == "not yaml":
+        target.mkdir()
+        (target / "config.yaml").write_text("just text\n")
+    with pytest.raises(StatusError, match=expected):
+        find_broker(str(target))
+
+
+def test_the_command_exits_2_with_a_message_instead_of_a_zmq_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["status", str(tmp_path / "nowhere")]) == 2
+    assert "Pass the run folder `drmas train` printed" in capsys.readouterr().err
+    assert main(["status", "tcp://127.0.0.1:notaport"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot connect to 'tcp://127.0.0.1:notaport'" in err and "or a run folder" in err
+
+
+def test_status_of_a_run_folder_asks_its_broker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    reply = StatusReply("run7", 3.0, [], {}, 0, 0, {"refused/too_big": 2}, False)
+
+    def answer_once() -> None:
+        if router.poll(20_000):
+            identity, payload = router.recv_multipart()
+            assert isinstance(decode_to_broker(payload), StatusRequest)
+            router.send_multipart([identity, encode(reply)])
+
+    broker = threading.Thread(target=answer_once, daemon=True)
+    broker.start()
+    run = write_run(tmp_path / "run", f"broker.address=tcp://*:{port}")
+    try:
+        assert main(["status", str(run), "--json", "--timeout", "10"]) == 0
+    finally:
+        broker.join(timeout=30)
+        router.close(linger=0)
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["run_id"] == "run7" and shown["counters"] == {"refused/too_big": 2}
