@@ -130,6 +130,15 @@ class BoundedServer(ThreadingHTTPServer):
             self._served(-1)
             self.slots.release()
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up or resets is its own business (logged at debug, so a
+        client cannot flood the log with tracebacks); anything else is logged in full."""
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            log.debug("connection from %s dropped: %r", client_address, error)
+        else:
+            log.exception("serving %s failed", client_address)
+
 
 def make_server(
     retriever: Retriever, host: str, port: int, top_k_default: int, limits: Limits | None = None

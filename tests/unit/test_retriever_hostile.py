@@ -241,3 +241,19 @@ def test_a_client_holding_the_large_body_gate_is_dropped_at_its_deadline() -> No
                 assert held.recv(100) == b""  # dropped without an answer
         finally:
             held.close()
+
+
+def test_a_client_that_hangs_up_before_its_answer_leaves_no_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with serving(Limits()) as server:
+        for _ in range(20):  # a request, then a reset before the answer is written
+            sock = socket.create_connection(server.server_address[:2])
+            sock.sendall(post(b'{"queries": ["a"]}'))
+            sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+            )
+            sock.close()
+        wait_until(lambda: server.serving == 0, "the hung-up clients were never let go")
+        assert health(server) == 200
+    assert "Traceback" not in capsys.readouterr().err
