@@ -39,15 +39,17 @@ def learner_process(run_dir: Path, model: str) -> psutil.Process | None:
 
 
 def digest_of_files(folder: Path) -> str:
-    """sha256 of the optimizer state in the DCP files (world size 1: shard = tensor), in
-    the order the learner documents: parameters by name, state keys by name, float32 bytes."""
+    """sha256 of the optimizer state in the checkpoint's files (world size 1: shard =
+    tensor), read with safetensors alone, in the order the learner documents: parameters
+    by name, state keys by name, float32 bytes."""
     import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from safetensors.torch import load_file
 
-    out = folder.parent / f"{folder.name}.pt"
-    dcp_to_torch_save(folder, out)
-    state = torch.load(out, weights_only=False)["optim"]["state"]
-    out.unlink()
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in load_file(folder / "rank-00000.safetensors").items():
+        if key.startswith("optim/"):
+            name, _, what = key.removeprefix("optim/").rpartition("/")
+            state.setdefault(name, {})[what] = value
     h = hashlib.sha256()
     for name in sorted(state):
         for key, value in sorted(state[name].items()):

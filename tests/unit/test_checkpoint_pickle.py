@@ -123,6 +123,9 @@ def test_an_untouched_copy_resumes(saved: tuple[Any, Any, Path], tmp_path: Path)
     _, trainer, folder = saved
     copy = copy_of(folder, tmp_path)
     assert resume(trainer, copy) == store.read_manifest(folder)["optim_digests"][0]  # type: ignore[index]
+    joined = full_tensors(copy, lambda key: key.startswith("model/"))  # as eval reads it
+    for name, tensor in trainer.full_state_dict_iter():
+        assert torch.equal(joined[f"model/{name}"], tensor), name
 
 
 @pytest.mark.parametrize("kind", sorted(PAYLOADS))
