@@ -22,9 +22,13 @@ class FailureReports:
     """Prints each new kind of team failure once; remembers what each actor reported."""
 
     def __init__(self, log_dir: Path) -> None:
+        """Made before the actors start: reports an earlier `drmas train` left in this run
+        folder (a resumed run) are removed, so only this run's are shown."""
         self.log_dir = log_dir
         self.by_actor: dict[str, Failure] = {}
         self.shown: set[str] = set()
+        for old in log_dir.glob(f"*{REPORT_SUFFIX}"):
+            old.unlink(missing_ok=True)
 
     def poll(self) -> None:
         """Print what the actors reported since the last poll."""

@@ -276,9 +276,10 @@ def run_children(cfg: DrmasConfig, run_dir: Path, placement: Placement | None) -
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     progress = Progress(run_dir, list(cfg.agents), cfg.train.steps, enabled=cfg.train.progress)
+    reports = FailureReports(run_dir / "logs")
     try:
         start_children(cfg, run_dir, sup, placement)
-        code = _watch(sup, progress, signals, FailureReports(run_dir / "logs"))
+        code = _watch(sup, progress, signals, reports)
         if code == 0:
             _await_broker(sup, progress, timeout_s=120.0)
     finally:

@@ -220,9 +220,12 @@ def test_drmas_train_prints_the_first_failure_once(
     exc = raised(user_code(tmp_path, "broken"), None)
     logs = tmp_path / "logs"
     logs.mkdir()
+    earlier = FailureWatch("mine", "actor-0", 1, report_path(str(tmp_path), "actor-0"))
+    earlier.failed(exc, 1)
+    earlier.gave_up()  # a report an earlier drmas train left in this run folder
     reports = FailureReports(logs)
     reports.poll()
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == "" and reports.gave_up("actor-0") is None
     watches = [FailureWatch("mine", f"actor-{i}", 2, report_path(str(tmp_path), f"actor-{i}"))
                for i in range(2)]  # fmt: skip
     watches[0].failed(exc, 1)
