@@ -257,3 +257,23 @@ def test_a_client_that_hangs_up_before_its_answer_leaves_no_traceback(
         wait_until(lambda: server.serving == 0, "the hung-up clients were never let go")
         assert health(server) == 200
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_millions_of_tiny_queries_are_refused_within_a_bounded_cost() -> None:
+    """The list of queries is built before its length is checked, so this is the costliest
+    body under the cap: ~1.6 M two-letter strings in 8 MB. Each costs a 51-byte str and an
+    8-byte list slot per 5 bytes of body (12x), plus the body itself, and large bodies are
+    decoded one at a time, so traced memory peaks under 14x the body and is given back."""
+    body = b'{"queries": [' + b",".join([b'"ab"'] * ((8 << 20) // 5 - 10)) + b"]}"
+    request = post(body)
+    with serving(Limits()) as server:
+        tracemalloc.start()
+        try:
+            status, answer = exchange(server, request)
+            wait_until(lambda: server.serving == 0, "the connection was never let go")
+            current, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert status == 400 and "at most 1024" in str(answer["error"])
+    assert peak < 14 * len(body), f"{peak / 1e6:.0f} MB traced for a {len(body) / 1e6:.0f} MB body"
+    assert current < len(body), f"{current / 1e6:.0f} MB still held"
