@@ -1,18 +1,26 @@
-"""A cap on the broker's open connections per peer host.
+"""Caps on the broker's open connections: per peer host, in all, and per CURVE key.
 
 libzmq accepts every TCP connection to the ROUTER and keeps each one (its buffers, ~25 KB)
 until the peer closes it; it has no per-peer limit. The broker loop (server.py) owns one
 ConnectionCap: it watches the ROUTER's monitor socket, counts accepted connections per
-peer address, and shuts down (SHUT_RDWR on a duplicate of the file descriptor libzmq
-reports) each connection beyond `max_per_host`. libzmq then sees the peer gone and
-closes its side cleanly, so no file descriptor is ever closed under libzmq's feet.
-Connections not over TCP (ipc://, inproc://) have no peer host and are not counted.
+peer host and in all, and shuts down (SHUT_RDWR on a duplicate of the file descriptor
+libzmq reports) each connection beyond `max_per_host` or `max_total`. libzmq then sees the
+peer gone and closes its side cleanly, so no file descriptor is ever closed under libzmq's
+feet. Every loopback address (127.0.0.0/8, ::1) is one host, so aliases such as 127.0.0.2
+share one cap; an IPv4-mapped IPv6 address is its IPv4 host. Connections not over TCP
+(ipc://, inproc://) have no peer host and are not counted.
+
+With CURVE the key of a connection is known from its first message (its ZAP User-Id):
+the broker's intake (drmas/broker/intake.py) asks `admit_key` for each new connection
+and drops the ones beyond `max_per_key` (OBSERVER_KEY_CONNECTIONS for a key that may only
+observe). `shut` is how the intake drops a peer.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
@@ -23,14 +31,38 @@ from zmq.utils.monitor import recv_monitor_message
 log = logging.getLogger("drmas.broker")
 
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+OBSERVER_KEY_CONNECTIONS = 8
+"""Connections a CURVE key that may neither act nor learn (an observer's) may hold."""
+
+
+def host_of(address: str) -> str:
+    """The host a connection counts against: "loopback" for any loopback address, the
+    IPv4 address of an IPv4-mapped IPv6 one, else the address itself."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return "loopback" if ip.is_loopback else str(ip)
 
 
 class ConnectionCap:
-    def __init__(self, router: zmq.Socket, max_per_host: int) -> None:
-        self.max_per_host = max_per_host
+    def __init__(
+        self,
+        router: zmq.Socket,
+        max_per_host: int,
+        max_total: int = 1 << 30,
+        max_per_key: int = 1 << 30,
+        key_roles: dict[str, frozenset[str]] | None = None,
+    ) -> None:
+        self.max_per_host, self.max_total, self.max_per_key = max_per_host, max_total, max_per_key
+        self.key_roles = key_roles  # None: no CURVE, no key to count
         self.monitor = router.get_monitor_socket(_EVENTS)
         self.open: dict[int, str] = {}  # fd -> peer host
         self.per_host: collections.Counter[str] = collections.Counter()
+        self.fd_key: dict[int, str] = {}  # fd -> CURVE key (z85), once a message told it
+        self.per_key: collections.Counter[str] = collections.Counter()
         self.refused = 0
 
     def poll(self) -> None:
@@ -41,11 +73,19 @@ class ConnectionCap:
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._accepted(fd)
             else:  # disconnected or closed
-                host = self.open.pop(fd, None)
-                if host is not None:
-                    self.per_host[host] -= 1
-                    if self.per_host[host] <= 0:
-                        del self.per_host[host]
+                self._gone(fd)
+
+    def _gone(self, fd: int) -> None:
+        host = self.open.pop(fd, None)
+        if host is not None:
+            self.per_host[host] -= 1
+            if self.per_host[host] <= 0:
+                del self.per_host[host]
+        key = self.fd_key.pop(fd, None)
+        if key is not None:
+            self.per_key[key] -= 1
+            if self.per_key[key] <= 0:
+                del self.per_key[key]
 
     def _accepted(self, fd: int) -> None:
         try:
@@ -54,21 +94,53 @@ class ConnectionCap:
             return  # already gone
         with dup:
             try:
-                host = str(dup.getpeername()[0])
+                host = host_of(str(dup.getpeername()[0]))
             except (OSError, IndexError, TypeError):
                 return  # not a TCP peer
-            if self.per_host[host] >= self.max_per_host:
+            over = (
+                f"{host} holds {self.per_host[host]} connections (broker.max_connections_per_host)"
+                if self.per_host[host] >= self.max_per_host
+                else f"{len(self.open)} connections are open (broker.max_connections)"
+                if len(self.open) >= self.max_total
+                else ""
+            )
+            if over:
                 self.refused += 1
                 if self.refused == 1 or self.refused % 1000 == 0:
-                    log.warning(
-                        "%s holds %d connections (broker.max_connections_per_host): closing "
-                        "new ones (%d so far)", host, self.per_host[host], self.refused,
-                    )  # fmt: skip
+                    log.warning("%s: closing new ones (%d so far)", over, self.refused)
                 with contextlib.suppress(OSError):
                     dup.shutdown(socket.SHUT_RDWR)
                 return
         self.open[fd] = host
         self.per_host[host] += 1
+
+    def admit_key(self, fd: int, frame: zmq.Frame) -> bool:
+        """A message arrived on connection `fd`: False if its CURVE key holds too many
+        connections already (the caller drops it). Without CURVE, always True."""
+        if self.key_roles is None or fd < 0 or fd in self.fd_key or fd not in self.open:
+            return True
+        key = str(frame.get("User-Id"))
+        roles = self.key_roles.get(key, frozenset())
+        acts = any(r.startswith(("actor", "learner")) for r in roles)
+        cap = self.max_per_key if acts else OBSERVER_KEY_CONNECTIONS
+        if self.per_key[key] >= cap:
+            self.refused += 1
+            return False
+        self.fd_key[fd] = key
+        self.per_key[key] += 1
+        return True
+
+    def shut(self, fd: int) -> None:
+        """Shut down an open connection the monitor reported (the intake drops a peer);
+        an fd no longer open is left alone, it may be another connection's by now."""
+        if fd not in self.open:
+            return
+        try:
+            dup = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return
+        with dup, contextlib.suppress(OSError):
+            dup.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self.monitor.close(linger=0)

@@ -1,14 +1,17 @@
 """The broker process: one ROUTER socket in front of BrokerState.
 
 Talks to: actors (leases in, groups out, weight-group joins), learner ranks (batch
-shards, step reports, publish plans) and `drmas status` clients. Every frame is decoded
-with the ToBroker decoder, then admitted or refused by the gate (drmas/broker/gate.py: the
+shards, step reports, publish plans) and `drmas status` clients. Every message is first
+bounded on its raw frames by the intake (drmas/broker/intake.py: its parts, its size for
+what its sender may send, a byte budget per peer; a peer that keeps failing them, or does
+not read its replies, is dropped), then decoded with the ToBroker decoder, then admitted or refused by the gate (drmas/broker/gate.py: the
 sender's role bound at Hello, its CURVE key's role, every field, the run's limits) before
 it touches state; this loop only routes what the gate admits to BrokerState and sends the
 replies. A refused frame gets an ErrorReply (when the sender can be answered), is counted
 under `refused/<code>`, and the loop goes on. Anything unforeseen is refused as
 `internal` by a last-resort handler. The loop polls with a 100 ms timeout so liveness
-checks never stall, and caps open connections per host (drmas/broker/connections.py).
+checks never stall, and caps open connections per host, in all and per CURVE key
+(drmas/broker/connections.py).
 
 Measures its own CPU time per message type (drmas/broker/cpu.py).
 Writes: RUN_DIR/metrics.jsonl and the trackers of `logger` (drmas/broker/trackers.py),
@@ -17,7 +20,6 @@ RUN_DIR/samples.jsonl (drmas/broker/samples.py), broker_summary.json and its che
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import signal
@@ -33,6 +35,7 @@ from drmas.broker.checkpoint import BrokerCheckpoints
 from drmas.broker.connections import ConnectionCap
 from drmas.broker.gate import Gate, InvalidGroup, RateLimit, clip
 from drmas.broker.heap import tune_gc
+from drmas.broker.intake import FrameLimits, Intake, Refusal
 from drmas.broker.leases import LeaseRecord
 from drmas.broker.metrics import NullSink, StepMetrics
 from drmas.broker.samples import SampleWriter, transcript_markdown
@@ -60,6 +63,7 @@ from drmas.protocol.messages import (
     WeightsLoaded,
     Welcome,
 )
+from drmas.protocol.wire_limits import MAX_NAME_CHARS, MAX_WIRE_EPISODE_METRICS
 from drmas.tasks.source import TaskSource
 from drmas.teams.resolve import resolve
 from drmas.transports.channel import bind_router
@@ -83,6 +87,17 @@ def vocab_sizes(cfg: DrmasConfig) -> dict[str, int]:
         data = json.loads(path.read_text())
         sizes[name] = int(data.get("vocab_size") or data["text_config"]["vocab_size"])
     return sizes
+
+
+def group_bytes(cfg: DrmasConfig, limits: Limits) -> int:
+    """The largest GroupResult this run can send (its tokens at the gate's limits, names at
+    their wire ceilings, with margin), at most broker.max_message_bytes: the ROUTER's
+    frame ceiling, so no frame larger than the run can use is even buffered."""
+    per_step = 4 * (limits.max_prompt_tokens + 2 * limits.max_response_tokens) + 4 * MAX_NAME_CHARS
+    metrics = MAX_WIRE_EPISODE_METRICS * (MAX_NAME_CHARS + 16)
+    per_episode = limits.max_steps_per_episode * per_step + metrics + 256
+    episodes = max(cfg.group_size, cfg.val.n)
+    return min(cfg.broker.max_message_bytes, episodes * per_episode + 64 * 1024)
 
 
 class BrokerServer:
@@ -116,10 +131,18 @@ class BrokerServer:
         self._internal_logged: set[tuple[str, str]] = set()
         self._refusal_log = RateLimit(per_minute=10)
         self.ctx = zmq.Context()
-        self.sock, self.address = bind_router(
-            self.ctx, cfg.broker.address, cfg.broker.max_message_bytes, cfg.security
+        b = cfg.broker
+        frames = FrameLimits(
+            b.max_hello_bytes, b.max_control_bytes, group_bytes(cfg, limits), b.max_peer_bytes_per_s
         )
-        self.connections = ConnectionCap(self.sock, cfg.broker.max_connections_per_host)
+        self.sock, self.address = bind_router(self.ctx, b.address, frames.group, cfg.security)
+        self.connections = ConnectionCap(
+            self.sock, b.max_connections_per_host, b.max_connections, b.max_connections_per_key,
+            self.key_roles,
+        )  # fmt: skip
+        self.intake = Intake(
+            self.sock, frames, self.connections, self.state.counters, self.gate_role
+        )
         self._stop = False
         self._shutdown_sent = False
         log.info("broker listening on %s (run %s)", self.address, self.state.run_id)
@@ -157,6 +180,7 @@ class BrokerServer:
                 if now - last_reap > 0.5:
                     started = time.thread_time()
                     self.state.reap(now)
+                    self.intake.tick(now)
                     self.flush_samples()
                     self.cpu.add("reap", time.thread_time() - started)
                     last_reap = now
@@ -171,16 +195,34 @@ class BrokerServer:
             self.close()
 
     def drain(self, max_messages: int = 256) -> None:
-        """Handle what is queued (up to max_messages, so liveness checks still run)."""
-        recv = self.sock.recv
+        """Handle what is queued (up to max_messages, so liveness checks still run); the
+        intake bounds each message before it is decoded (drmas/broker/intake.py)."""
+        read = self.intake.read
         for _ in range(max_messages):
             try:
-                frames = [recv(_NOBLOCK, copy=False)]
+                got = read()
             except zmq.Again:
                 return
-            while frames[-1].more:  # the parts of a message arrive together
-                frames.append(recv(_NOBLOCK, copy=False))
-            self.handle(frames)
+            if isinstance(got, Refusal):
+                self.answer(got)
+            else:
+                self.handle(got)
+
+    def gate_role(self, client_id: str) -> str | None:
+        """The role `client_id` registered with ("actor", "learner"), or None."""
+        st = self.state
+        return (
+            "actor"
+            if client_id in st.table.actors
+            else "learner"
+            if client_id in st.learners
+            else None
+        )
+
+    def answer(self, refusal: Refusal) -> None:
+        """Tell the sender of a message the intake refused (counted there) why."""
+        if refusal.answer:
+            self.refuse(refusal.identity, refusal.code, refusal.reason, count=False)
 
     def install_signal_handlers(self) -> None:
         def stop(signum: int, _frame: object) -> None:
@@ -220,23 +262,35 @@ class BrokerServer:
 
     # -------------------------------------------------------------- dispatch
     def send(self, client_id: str, message: object) -> None:
+        """Queue a reply; a peer whose queue is full does not read and is dropped."""
+        identity = client_id.encode()
         try:  # two sends with int flags: send_multipart's enum arithmetic cost more than both
-            self.sock.send(client_id.encode(), _MORE)
+            self.sock.send(identity, _MORE)
             self.sock.send(encode(message), _NOBLOCK)  # type: ignore[arg-type]
-        except (zmq.Again, zmq.ZMQError):
+        except zmq.Again:
+            self.state.counters["send_failed"] += 1
+            self.intake.drop(identity, "not_reading")
+        except zmq.ZMQError:
             self.state.counters["send_failed"] += 1
 
-    def refuse(self, identity: bytes, code: str, reason: str, refused: str = "") -> None:
-        self.state.counters[f"refused/{code}"] += 1
+    def refuse(
+        self, identity: bytes, code: str, reason: str, refused: str = "", count: bool = True
+    ) -> None:
+        if count:
+            self.state.counters[f"refused/{code}"] += 1
         reason = clip(reason, 500)  # neither a log line nor a reply grows with the input
         if self._refusal_log.allow((code, refused)):  # a flood is logged, not every message
             log.warning(
                 "refused %s from %r: %s: %s", refused or "frame", identity[:64], code, reason
             )
         # the sender may be gone or unreachable: then there is nothing to answer
-        with contextlib.suppress(zmq.Again, zmq.ZMQError):
+        try:
             reply = encode(ErrorReply(code, reason, refused))
             self.sock.send_multipart([identity, reply], flags=zmq.NOBLOCK)
+        except zmq.Again:  # its reply queue is full: it does not read
+            self.intake.drop(identity, "not_reading")
+        except zmq.ZMQError:
+            pass
 
     def handle(self, frames: Sequence[zmq.Frame]) -> None:
         """One received message: [client identity, payload]. Frames are not copied: the
@@ -289,7 +343,11 @@ class BrokerServer:
             self.on_hello(cid, msg, now)
             return
         if isinstance(msg, StatusRequest):
-            self.send(cid, status_reply(st, now))
+            refusal = self.intake.allow_status(cid.encode())
+            if refusal is None:
+                self.send(cid, status_reply(st, now))
+            else:
+                self.answer(refusal)
             return
         st.seen(cid, now)
         match msg:

@@ -60,6 +60,22 @@ class BrokerConfig:
     """Actors registered at once; a Hello beyond it is refused."""
     max_connections_per_host: Positive = 256
     """Open connections one peer host may hold; more are closed as they arrive (every
-    actor, learner rank and `drmas status` of a host holds one)."""
+    actor, learner rank and `drmas status` of a host holds one). Every loopback address
+    (127.0.0.0/8, ::1) is one host."""
+    max_connections: Positive = 4096
+    """Open connections in all, whatever their hosts; more are closed as they arrive."""
+    max_connections_per_key: Positive = 1024
+    """With CURVE: connections one client key may hold (all actors may share one key);
+    a key that may only observe holds at most 8."""
     max_message_bytes: Positive = 256 * 1024 * 1024
-    """Frames larger than this are dropped by ZeroMQ before decoding."""
+    """Ceiling of an actor's GroupResult, the one large message; ZeroMQ drops a larger
+    frame before it is read. The broker lowers it to the largest group the run can make
+    (group_size x steps per episode x tokens)."""
+    max_control_bytes: Positive = 1024 * 1024
+    """Largest frame of a registered actor or learner other than a GroupResult; a larger
+    one is refused (`too_large`) before decoding."""
+    max_hello_bytes: Positive = 16 * 1024
+    """Largest frame before a Hello, and from an observer (a Hello or a StatusRequest)."""
+    max_peer_bytes_per_s: Positive = 64 * 1024 * 1024
+    """Bytes per second one peer may send, sustained (bursts up to twice its largest
+    frame); beyond it frames are refused (`over_budget`) before decoding."""

@@ -2,10 +2,12 @@
 
 Socket semantics, written where the sockets are made:
 - Broker: one ROUTER bound at `broker.address`. ROUTER_MANDATORY is on, so a reply to a
-  peer that has gone raises instead of vanishing silently; SNDHWM/RCVHWM 10_000 frames
-  per peer; when a peer's send queue is full the send fails (zmq.Again) and the broker
-  counts it and drops that reply (the client's request times out and is retried).
-  MAXMSGSIZE drops oversized frames before they are read. linger=0 on close.
+  peer that has gone raises instead of vanishing silently. Its send queue per peer is
+  small (REPLY_QUEUE messages): a client's libzmq reads its replies into its own queue
+  whatever its code does, so a full queue means a peer that does not read at all, and
+  the broker drops it (drmas/broker/intake.py) instead of buffering for it. RECV_QUEUE
+  messages per peer wait to be read. MAXMSGSIZE (the largest GroupResult the run can
+  make) drops oversized frames before they are read. linger=0 on close.
 - Client: one DEALER with a unique identity (its client id), connected to the broker;
   a late joiner simply connects and says Hello. Requests are retried by the caller;
   every receive has an explicit timeout. Messages the broker sends unsolicited
@@ -50,6 +52,11 @@ from drmas.protocol.messages import ErrorReply, FromBroker, Hello, Role, Welcome
 from drmas.transports.security import check_bind, secure_client, secure_server
 
 T = TypeVar("T")
+
+REPLY_QUEUE = 64
+"""Replies the broker queues for one peer (SNDHWM); a peer that lets them pile up is dropped."""
+RECV_QUEUE = 1000
+"""Messages of one peer waiting for the broker's loop (RCVHWM)."""
 
 
 SEND_TIMEOUT_S = 10.0
@@ -97,8 +104,8 @@ def bind_router(
     check_bind(address, security)
     sock = ctx.socket(zmq.ROUTER, socket_class=_RouterSocket)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.SNDHWM, 10_000)
-    sock.setsockopt(zmq.RCVHWM, 10_000)
+    sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE)
+    sock.setsockopt(zmq.RCVHWM, RECV_QUEUE)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.LINGER, 0)
     try:

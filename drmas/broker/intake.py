@@ -1,0 +1,231 @@
+"""Bounded reading of the broker's ROUTER: what one peer can make the broker hold, read or
+decode, checked on the raw frames before msgspec sees a byte.
+
+The broker loop (drmas/broker/server.py) reads every message through `Intake.read`. A
+message is [identity, payload]. Before decoding:
+- parts: a message of more parts is read to its end and each extra part dropped as it is
+  read (nothing kept): `too_many_parts`;
+- size: the payload against what its sender may send: before its Hello, and as an
+  observer, `broker.max_hello_bytes` (a Hello or a StatusRequest); a registered actor or
+  learner `broker.max_control_bytes`, except an actor's GroupResult (its leading type tag
+  says so) up to the socket's ceiling: `too_large`;
+- bytes: a budget per peer, refilled at `broker.max_peer_bytes_per_s` up to twice its
+  largest frame: `over_budget`.
+StatusRequest, which anyone may send, is rate-limited per peer and in all
+(`allow_status`, called after decoding, so a reordered tag cannot dodge it).
+
+Each refusal is counted (`refused/<code>`) and is a strike; a peer with STRIKES strikes
+within a minute is dropped, and so is one whose reply queue is full (it does not read):
+its connection is shut (drmas/broker/connections.py) and its identity banned for a
+back-off that doubles on each drop (1 s up to 5 min); what it sends meanwhile is discarded
+unread and shuts its connection again.
+
+What is left: libzmq hands over a multipart message only once all its parts arrived and
+keeps each part (64 bytes for an empty one) until it is read; that, and the ~2 µs per
+part it costs to discard, is what a many-part message still costs. Dropping the peer
+stops it repeating.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from drmas.broker.connections import ConnectionCap
+
+_NOBLOCK = int(zmq.NOBLOCK)
+STRIKES = 8
+"""Refusals before decoding, within a minute, after which a peer is dropped."""
+BAN_S = (1.0, 300.0)
+"""First and longest ban of a dropped identity (doubling in between)."""
+STATUS_PER_S = 2.0
+"""StatusRequests one peer may send per second, sustained (bursts of STATUS_BURST)."""
+STATUS_BURST = 8
+STATUS_TOTAL_PER_S = 50.0
+"""StatusRequests answered per second from all peers together."""
+MAX_PEERS = 65_536
+"""Peers tracked at once; beyond it the oldest idle ones are forgotten."""
+_GROUP_TAG = b"\xa4type\xacgroup_result"  # msgspec writes the tag first
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """Largest frame per kind of sender; `group` is the socket's ceiling."""
+
+    hello: int
+    control: int
+    group: int
+    bytes_per_s: int
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A message refused before decoding; answered unless its sender was dropped."""
+
+    identity: bytes
+    code: str
+    reason: str
+    answer: bool = True
+
+
+class _Peer:
+    __slots__ = ("budget", "fd", "seen", "status", "status_at", "strike_at", "strikes")
+
+    def __init__(self, now: float, budget: float) -> None:
+        self.budget, self.seen, self.fd = budget, now, -1
+        self.strikes, self.strike_at = 0, now
+        self.status, self.status_at = float(STATUS_BURST), now
+
+
+def is_group_result(payload: memoryview | bytes) -> bool:
+    """The payload is a map whose first key is `type` = "group_result" (how msgspec
+    writes a GroupResult; a hand-made frame that puts the tag later is not one here)."""
+    if not payload:
+        return False
+    first = payload[0]
+    offset = 1 if 0x80 <= first <= 0x8F else 3 if first == 0xDE else 5 if first == 0xDF else 0
+    return offset > 0 and bytes(payload[offset : offset + len(_GROUP_TAG)]) == _GROUP_TAG
+
+
+class Intake:
+    """Reads the ROUTER for the broker loop. `role_of(identity)` is the sender's registered
+    role ("actor", "learner") or None; `counters` is BrokerState's."""
+
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        limits: FrameLimits,
+        connections: ConnectionCap,
+        counters: collections.Counter[str],
+        role_of: Callable[[str], str | None],
+    ) -> None:
+        self.sock, self.limits, self.connections = sock, limits, connections
+        self.counters, self.role_of = counters, role_of
+        self.peers: dict[bytes, _Peer] = {}
+        self.banned: dict[bytes, tuple[float, float]] = {}  # identity -> (until, ban length)
+        self._status_total, self._status_at = STATUS_TOTAL_PER_S, time.monotonic()
+
+    def read(self) -> list[zmq.Frame] | Refusal:
+        """The next message as its [identity, payload] frames, or its Refusal (counted).
+        Raises zmq.Again when nothing waits."""
+        recv = self.sock.recv
+        head = recv(_NOBLOCK, copy=False)
+        identity = head.bytes
+        payload = recv(_NOBLOCK, copy=False) if head.more else None
+        extra = 0
+        if payload is not None and payload.more:
+            part = payload
+            while part.more:  # dropped as read: only a count is kept
+                part = recv(_NOBLOCK, copy=False)
+                extra += 1
+        now = time.monotonic()
+        peer = self._peer(identity, now, head)
+        ban = self.banned.get(identity)
+        if ban is not None and now < ban[0]:
+            return self._banned(identity, peer)
+        if payload is None or extra:
+            got = 0 if payload is None else extra + 1
+            return self._strike(identity, peer, now, "too_many_parts" if extra else "bad_frame",
+                                f"expected 1 payload part, got {got}", weight=STRIKES // 2 if extra else 1)  # fmt: skip
+        size = len(payload.buffer)
+        limit = self.frame_limit(identity, payload)
+        if size > limit:
+            return self._strike(identity, peer, now, "too_large",
+                                f"a frame of {size} bytes; this sender may send at most {limit}")  # fmt: skip
+        rate = self.limits.bytes_per_s
+        peer.budget = min(2.0 * max(limit, rate), peer.budget + (now - peer.seen) * rate)
+        peer.seen = now
+        if size > peer.budget:
+            return self._strike(identity, peer, now, "over_budget",
+                                f"more than broker.max_peer_bytes_per_s={rate} bytes per second")  # fmt: skip
+        peer.budget -= size
+        return [head, payload]
+
+    def frame_limit(self, identity: bytes, payload: zmq.Frame) -> int:
+        """The largest payload this sender may send now (see the module docstring)."""
+        role = self.role_of(identity.decode("utf-8", errors="replace"))
+        if role is None:
+            return self.limits.hello
+        if role == "actor" and is_group_result(payload.buffer[:32]):
+            return self.limits.group
+        return self.limits.control
+
+    def allow_status(self, identity: bytes) -> Refusal | None:
+        """None if this peer's StatusRequest may be answered now (per peer and in all),
+        else its Refusal (counted, a strike)."""
+        now = time.monotonic()
+        self._status_total = min(
+            STATUS_TOTAL_PER_S, self._status_total + (now - self._status_at) * STATUS_TOTAL_PER_S
+        )
+        self._status_at = now
+        peer = self.peers.get(identity)
+        if peer is None:
+            return None  # not read through `read` (a test calling handle directly)
+        peer.status = min(float(STATUS_BURST), peer.status + (now - peer.status_at) * STATUS_PER_S)
+        peer.status_at = now
+        if peer.status < 1.0 or self._status_total < 1.0:
+            return self._strike(
+                identity, peer, now, "rate_limited",
+                f"StatusRequest at most {STATUS_PER_S:g} a second per client; ask less often",
+            )  # fmt: skip
+        peer.status -= 1.0
+        self._status_total -= 1.0
+        return None
+
+    def drop(self, identity: bytes, why: str) -> None:
+        """Shut this peer's connection and ban its identity (doubling back-off)."""
+        now = time.monotonic()
+        _until, length = self.banned.get(identity, (0.0, BAN_S[0] / 2))
+        length = min(BAN_S[1], 2 * length)
+        self.banned[identity] = (now + length, length)
+        self.counters[f"dropped/{why}"] += 1
+        peer = self.peers.pop(identity, None)
+        if peer is not None and peer.fd >= 0:
+            self.connections.shut(peer.fd)
+
+    def tick(self, now: float) -> None:
+        """Forget peers idle for a minute and bans that ended (called every ~0.5 s)."""
+        for identity in [i for i, p in self.peers.items() if now - p.seen > 60.0]:
+            del self.peers[identity]
+        for identity in [i for i, (until, n) in self.banned.items() if now > until + 4 * n]:
+            del self.banned[identity]  # a ban that ended long ago: the back-off restarts
+
+    # ------------------------------------------------------------------ helpers
+    def _peer(self, identity: bytes, now: float, head: zmq.Frame) -> _Peer:
+        peer = self.peers.get(identity)
+        if peer is None:
+            if len(self.peers) >= MAX_PEERS:
+                oldest = min(self.peers, key=lambda i: self.peers[i].seen)
+                del self.peers[oldest]
+            peer = self.peers[identity] = _Peer(now, 2.0 * self.limits.hello)
+        fd = head.get(zmq.SRCFD)
+        if fd != peer.fd:
+            peer.fd = fd
+            if not self.connections.admit_key(fd, head):
+                self.drop(identity, "key_cap")
+        return peer
+
+    def _banned(self, identity: bytes, peer: _Peer) -> Refusal:
+        """A message from a banned identity: discarded unread, its connection shut again."""
+        self.counters["refused/banned"] += 1
+        if peer.fd >= 0:
+            self.connections.shut(peer.fd)
+        self.peers.pop(identity, None)
+        return Refusal(identity, "banned", "", answer=False)
+
+    def _strike(
+        self, identity: bytes, peer: _Peer, now: float, code: str, reason: str, weight: int = 1
+    ) -> Refusal:
+        """Count the refusal; a peer at STRIKES within a minute is dropped (no answer)."""
+        self.counters[f"refused/{code}"] += 1
+        if now - peer.strike_at > 60.0:
+            peer.strikes, peer.strike_at = 0, now
+        peer.strikes += weight
+        if peer.strikes >= STRIKES:
+            self.drop(identity, code)
+            return Refusal(identity, code, reason, answer=False)
+        return Refusal(identity, code, reason)
