@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import FAST, drmas
+from tests.integration.test_supervision import drmas_children_of
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +66,4 @@ def test_a_team_that_raises_in_every_episode_stops_the_run(
     assert log.count("Traceback (most recent call last)") == 1
     assert log.count("failed: AttributeError") == report["failed_groups"] - 1
     assert "drmas train: done" not in console
+    assert drmas_children_of(run_dir) == []  # broker and learners stopped too
