@@ -122,7 +122,7 @@ class ConnectionCap:
         key = str(frame.get("User-Id"))
         roles = self.key_roles.get(key, frozenset())
         acts = any(r.startswith(("actor", "learner")) for r in roles)
-        cap = self.max_per_key if acts else OBSERVER_KEY_CONNECTIONS
+        cap = self.max_per_key if acts else min(self.max_per_key, OBSERVER_KEY_CONNECTIONS)
         if self.per_key[key] >= cap:
             self.refused += 1
             return False

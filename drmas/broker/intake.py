@@ -10,7 +10,7 @@ message is [identity, payload]. Before decoding:
   learner `broker.max_control_bytes`, except an actor's GroupResult (its leading type tag
   says so) up to the socket's ceiling: `too_large`;
 - bytes: a budget per peer, refilled at `broker.max_peer_bytes_per_s` up to twice its
-  largest frame: `over_budget`.
+  largest frame (or two seconds of the rate): `over_budget`.
 StatusRequest, which anyone may send, is rate-limited per peer and in all
 (`allow_status`, called after decoding, so a reordered tag cannot dodge it).
 
@@ -201,7 +201,8 @@ class Intake:
             if len(self.peers) >= MAX_PEERS:
                 oldest = min(self.peers, key=lambda i: self.peers[i].seen)
                 del self.peers[oldest]
-            peer = self.peers[identity] = _Peer(now, 2.0 * self.limits.hello)
+            start = 2.0 * max(self.limits.hello, self.limits.bytes_per_s)  # a full budget
+            peer = self.peers[identity] = _Peer(now, start)
         fd = head.get(zmq.SRCFD)
         if fd != peer.fd:
             peer.fd = fd

@@ -78,4 +78,5 @@ class BrokerConfig:
     """Largest frame before a Hello, and from an observer (a Hello or a StatusRequest)."""
     max_peer_bytes_per_s: Positive = 64 * 1024 * 1024
     """Bytes per second one peer may send, sustained (bursts up to twice its largest
-    frame); beyond it frames are refused (`over_budget`) before decoding."""
+    frame, or two seconds of it); beyond it frames are refused (`over_budget`) before
+    decoding."""
