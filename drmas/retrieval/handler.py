@@ -72,6 +72,8 @@ class Service:
 
 
 class ServiceHost(Protocol):
+    """The server a Handler belongs to (server.BoundedServer): it holds the Service."""
+
     service: Service
 
 

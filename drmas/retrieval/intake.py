@@ -28,7 +28,7 @@ MAX_QUERY_CHARS = 4096
 HEAD_BYTES = 64 << 10
 """Bytes a request line and its headers may take together (more: 431 and closed)."""
 LARGE_BODY_BYTES = 64 << 10
-"""Bodies over this are read and decoded one at a time (see server.BodyGate)."""
+"""Bodies over this are read and decoded one at a time (see handler.BodyGate)."""
 
 
 @dataclass(frozen=True)
