@@ -140,9 +140,11 @@ def choose_versions(snap: dict[str, Any], root: Path, models: list[str]) -> dict
     chosen = {}
     for m in models:
         known, covered = int(snap["versions"][m]), int(snap["covered"][m])
-        usable = [c.version for c in store.complete(root / m) if covered <= c.version <= known]
+        usable = [c for c in store.complete(root / m) if covered <= c.version <= known]
         if usable:
-            chosen[m] = max(usable)
+            newest = max(usable, key=lambda c: c.version)
+            store.check_format(newest.path, store.read_manifest(newest.path))  # before any learner
+            chosen[m] = newest.version
         elif covered == 0:
             chosen[m] = 0  # nothing trained is covered by a checkpoint: start over
             if known:

@@ -38,6 +38,15 @@ MANIFEST = "manifest.json"
 BROKER_STATE = "broker.json"
 _STEP = re.compile(r"^step-(\d{6,})$")
 _SET_ASIDE = ".set-aside-"
+FORMAT = "drmas-safetensors-1"
+"""The learner checkpoint format this drmas writes and reads (drmas/checkpoints/tensors.py)."""
+PICKLED_SUFFIXES = (".metadata", ".distcp", ".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
+"""Files of formats read with pickle (DCP, torch.save, pickle): never read from a checkpoint."""
+REDO = "resume from another checkpoint of the run, or start the run again without run.resume"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder this drmas will not read; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,26 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
         except OSError:
             return None
     return manifest
+
+
+def check_format(folder: Path, manifest: dict[str, Any] | None) -> int:
+    """The world size of the complete checkpoint `folder` (its `manifest`), after checking
+    it is in this format. An older drmas's checkpoint (torch.distributed.checkpoint files)
+    is refused without opening any of its files."""
+    if manifest is None:
+        raise CheckpointError(f"{folder} is not a complete checkpoint (no valid manifest); {REDO}")
+    if manifest.get("format") != FORMAT:
+        legacy = sorted(p.name for p in folder.iterdir() if p.name.endswith(PICKLED_SUFFIXES))
+        what = f"torch.distributed.checkpoint / torch.save files {legacy}" if legacy else "files"
+        raise CheckpointError(
+            f"{folder} holds {what} in format {manifest.get('format')!r}, not {FORMAT!r}. "
+            "Checkpoints of drmas before this version were read with pickle, which runs "
+            f"code that the files name, so this drmas does not read them: {REDO}"
+        )
+    world = manifest.get("world_size")
+    if not isinstance(world, int) or world < 1:
+        raise CheckpointError(f"{folder}: manifest world_size {world!r} is not a rank count")
+    return world
 
 
 def complete(model_dir: Path) -> list[Checkpoint]:

@@ -11,7 +11,8 @@ so whoever can write the checkpoint folder could run code in every learner at re
 A safetensors file is a JSON header and raw bytes, the rest is JSON read by json.loads:
 nothing read here can name a Python object to build.
 
-Per rank r of a checkpoint folder (the manifest, written last, says `"format": FORMAT`):
+Per rank r of a checkpoint folder (the manifest, written last, says `"format": FORMAT`,
+drmas/checkpoints/store.py):
 
     rank-0000r.safetensors  this rank's tensors: "model/<fqn>" (its shard of each trained
                             parameter), "optim/<fqn>/<key>" (its shard of their optimizer
@@ -34,18 +35,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from drmas.checkpoints import store
+from drmas.checkpoints.store import FORMAT, REDO, CheckpointError, check_format
 
-FORMAT = "drmas-safetensors-1"
 MAX_JSON_BYTES = 64 * 1024 * 1024
 """A rank's JSON holds names, shapes and a few numbers: megabytes for the largest models."""
-PICKLED_SUFFIXES = (".metadata", ".distcp", ".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
-"""Files of formats read with pickle (DCP, torch.save, pickle): never read from a checkpoint."""
-
-_REDO = "resume from another checkpoint of the run, or start the run again without run.resume"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder this drmas will not read; the message says why and what to do."""
 
 
 def tensors_name(rank: int) -> str:
@@ -54,26 +47,6 @@ def tensors_name(rank: int) -> str:
 
 def layout_name(rank: int) -> str:
     return f"rank-{rank:05d}.json"
-
-
-def check_format(folder: Path, manifest: dict[str, Any] | None) -> int:
-    """The world size of the complete checkpoint `folder` (its `manifest`), after checking
-    it is in this format. An older drmas's checkpoint (torch.distributed.checkpoint files)
-    is refused without opening any of its files."""
-    if manifest is None:
-        raise CheckpointError(f"{folder} is not a complete checkpoint (no valid manifest); {_REDO}")
-    if manifest.get("format") != FORMAT:
-        legacy = sorted(p.name for p in folder.iterdir() if p.name.endswith(PICKLED_SUFFIXES))
-        what = f"torch.distributed.checkpoint / torch.save files {legacy}" if legacy else "files"
-        raise CheckpointError(
-            f"{folder} holds {what} in format {manifest.get('format')!r}, not {FORMAT!r}. "
-            "Checkpoints of drmas before this version were read with pickle, which runs "
-            f"code that the files name, so this drmas does not read them: {_REDO}"
-        )
-    world = manifest.get("world_size")
-    if not isinstance(world, int) or world < 1:
-        raise CheckpointError(f"{folder}: manifest world_size {world!r} is not a rank count")
-    return world
 
 
 def write_rank(
@@ -92,10 +65,11 @@ def read_rank(
     doc = read_json(folder / layout_name(rank))
     if doc.get("format") != FORMAT or doc.get("rank") != rank:
         raise CheckpointError(
-            f"{folder / layout_name(rank)} is not rank {rank}'s file in format {FORMAT!r} (changed or damaged?); {_REDO}"
+            f"{folder / layout_name(rank)} is not rank {rank}'s file in format {FORMAT!r}: "
+            f"changed or damaged; {REDO}"
         )
     if not isinstance(doc.get("layout"), dict):
-        raise CheckpointError(f"{folder / layout_name(rank)} has no layout; {_REDO}")
+        raise CheckpointError(f"{folder / layout_name(rank)} has no layout; {REDO}")
     path = folder / tensors_name(rank)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -104,7 +78,7 @@ def read_rank(
             return {k: f.get_tensor(k) for k in keys}, doc
     except (SafetensorError, OSError, RuntimeError, ValueError) as err:
         raise CheckpointError(
-            f"{path} is not a readable safetensors file ({err}); {_REDO}"
+            f"{path} is not a readable safetensors file ({err}): changed or damaged; {REDO}"
         ) from None
 
 
@@ -112,16 +86,16 @@ def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from a checkpoint folder, size-bounded; anything else is refused."""
     try:
         if path.stat().st_size > MAX_JSON_BYTES:
-            raise CheckpointError(f"{path} is over {MAX_JSON_BYTES} bytes; {_REDO}")
+            raise CheckpointError(f"{path} is over {MAX_JSON_BYTES} bytes; {REDO}")
         data = json.loads(path.read_bytes())
     except (OSError, ValueError, RecursionError) as err:
         if isinstance(err, CheckpointError):
             raise
         raise CheckpointError(
-            f"{path} is not readable JSON ({type(err).__name__}); {_REDO}"
+            f"{path} is not readable JSON ({type(err).__name__}): changed or damaged; {REDO}"
         ) from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path} is not a JSON object; {_REDO}")
+        raise CheckpointError(f"{path} is not a JSON object; {REDO}")
     return data
 
 
@@ -147,7 +121,7 @@ def full_tensors(folder: Path, select: Callable[[str], bool]) -> dict[str, torch
                 written[key] += shard.numel()
     short = sorted(k for k, t in full.items() if written[k] != t.numel())
     if short:
-        raise CheckpointError(f"{folder}: the ranks' shards do not make up {short[:3]}; {_REDO}")
+        raise CheckpointError(f"{folder}: the ranks' shards do not make up {short[:3]}; {REDO}")
     return full
 
 
@@ -159,13 +133,13 @@ def _place(
         shape = [int(n) for n in entry["shape"]]
         offset = [int(n) for n in entry["offset"]]
     except (TypeError, KeyError, ValueError):
-        raise CheckpointError(f"{folder}: no valid layout for {key}; {_REDO}") from None
+        raise CheckpointError(f"{folder}: no valid layout for {key}; {REDO}") from None
     local = list(shard.shape)
     if not (len(shape) == len(offset) == len(local)) or any(
         o < 0 or o + n > s for o, n, s in zip(offset, local, shape)
     ):
         raise CheckpointError(
-            f"{folder}: shard {key} {local} at {offset} does not fit in {shape}; {_REDO}"
+            f"{folder}: shard {key} {local} at {offset} does not fit in {shape}; {REDO}"
         )
     return shape, tuple(slice(o, o + n) for o, n in zip(offset, local))
 

@@ -239,7 +239,7 @@ def _exported(folder: Path, weights: str) -> Path:
     """An export written earlier into a checkpoint folder, used again only when its weights
     are safetensors and no file in it is of a format read with pickle (a folder planted
     there must not run code in the engine that loads it)."""
-    from drmas.checkpoints.tensors import PICKLED_SUFFIXES
+    from drmas.checkpoints.store import PICKLED_SUFFIXES
 
     pickled = sorted(p.name for p in folder.rglob("*") if p.name.endswith(PICKLED_SUFFIXES))
     if pickled or not any(folder.glob(weights)):

@@ -51,7 +51,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from drmas.checkpoints import store
 from drmas.checkpoints import tensors as files
-from drmas.checkpoints.tensors import CheckpointError
+from drmas.checkpoints.store import CheckpointError
 
 if TYPE_CHECKING:
     from drmas.learners.trainer import Trainer
@@ -91,7 +91,7 @@ def save(trainer: Trainer, model_dir: Path, version: int, keep: int) -> Path:
     final = model_dir / store.step_name(version)
     if rank == 0:
         extra: dict[str, Any] = {
-            "model": trainer.name, "optim_digests": digests, "format": files.FORMAT
+            "model": trainer.name, "optim_digests": digests, "format": store.FORMAT
         }  # fmt: skip
         if trainer.lora:
             extra["adapter_versions"] = dict(trainer.lora.versions)
@@ -112,7 +112,7 @@ def load(trainer: Trainer, checkpoint: store.Checkpoint) -> str:
     safetensors only (drmas/checkpoints/tensors.py): a checkpoint in another format, or
     one whose keys, shapes or shard offsets differ from this learner's, is refused."""
     manifest = store.read_manifest(checkpoint.path)
-    world = files.check_format(checkpoint.path, manifest)
+    world = store.check_format(checkpoint.path, manifest)
     if world != trainer.world_size:
         raise ValueError(
             f"checkpoint {checkpoint.path} was saved by {world} ranks, this "

@@ -25,7 +25,8 @@ import torch
 
 from drmas.broker import checkpoint as broker_checkpoint
 from drmas.checkpoints import store
-from drmas.checkpoints.tensors import CheckpointError, full_tensors, layout_name, tensors_name
+from drmas.checkpoints.store import CheckpointError
+from drmas.checkpoints.tensors import full_tensors, layout_name, tensors_name
 from drmas.launch.evaluate import EvalError, export_checkpoint
 from drmas.transports.ports import free_port
 from tests.integration.test_fsdp_learner import MODEL, make_config, make_samples, shards, tiny_qwen2
@@ -166,6 +167,9 @@ def test_an_older_dcp_checkpoint_is_refused_unopened(
         full_tensors(folder, lambda key: True)
     with pytest.raises(CheckpointError, match="read with pickle"):
         export_checkpoint(cfg, MODEL, folder)
+    snap = {"versions": {MODEL: 1}, "covered": {MODEL: 0}}  # the broker, before any learner
+    with pytest.raises(CheckpointError, match="read with pickle"):
+        broker_checkpoint.choose_versions(snap, tmp_path / "ckpt", [MODEL])
     assert not marker.exists()
 
 

@@ -27,7 +27,7 @@ def fake_checkpoint(model_dir: Path, version: int, *, manifest: bool = True) -> 
     (tmp / "rank-00000.json").write_bytes(b"meta")
     if not manifest:  # a crash before the manifest: the folder stays a temporary one
         return tmp
-    return store.commit(tmp, version, world_size=1)
+    return store.commit(tmp, version, world_size=1, extra={"format": store.FORMAT})
 
 
 def test_only_folders_with_a_complete_manifest_count(tmp_path: Path) -> None:
