@@ -349,15 +349,18 @@ class BrokerState:
     def batch(
         self, model: str, rank: int, world_size: int, version: int, now: float
     ) -> BatchShard | NoBatch:
-        """This rank's shard of the batch for `version`, cut on first ask (the gate has
-        checked the buffer's `refusal`). Rank 0 asking for a newer version has trained the
-        one before it: only rank 0 moves the model's version."""
+        """This rank's shard of the batch for `version` (the gate has checked the buffer's
+        `refusal`). Rank 0 asking for a newer version has trained the one before it, and
+        takes its shard first (drmas/learners/main.py): only rank 0 moves the model's
+        version and cuts a batch, so every batch cut was handed to rank 0."""
         if rank == 0:
             self.versions[model] = max(self.versions[model], version)
         if version >= self.cfg.train.steps:
             return NoBatch(retry_after_s=0.0, reason="train.steps reached", done=True)
         buf = self.buffers[model]
         if version not in buf.cut:
+            if rank != 0:
+                return NoBatch(retry_after_s=0.05, reason=f"rank 0 has not taken v{version} yet")
             for part in buf.drop_stale(version):
                 self.counters["dropped_stale_groups"] += 1
                 self.source.requeue(part.task)

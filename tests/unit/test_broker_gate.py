@@ -278,18 +278,29 @@ def test_a_held_seat_is_refused_not_swapped_in_until_goodbye_or_timeout(
 
 
 def test_only_rank_0_moves_a_version(server: BrokerServer) -> None:
-    """Issue #25: eight BatchRequests of rank 1 took the solver from v0 to v6."""
+    """Issue #25: eight BatchRequests of rank 1 took the solver from v0 to v6. Rank 1 moves
+    no version and cuts no batch: it gets its shard of the batch rank 0 took."""
+    from tests.unit.test_broker_state import result
+
     st = server.state
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    for lease in st.lease("a", 2, {}, 0.0).leases:  # one batch of B = 2 groups
+        assert st.accept("a", result(lease), 0.0) == ""
     rank0, rank1 = Peer(server, "L0"), Peer(server, "L1")
     assert isinstance(rank0.hello("learner", ["solver"], rank=0, world_size=2), Welcome)
     assert isinstance(rank1.hello("learner", ["solver"], rank=1, world_size=2), Welcome)
     for _ in range(8):
         reply = rank1.ask(BatchRequest("L1", "solver", 1, 2, st.versions["solver"] + 1))
         assert refused(reply, "invalid") and "only rank 0" in reply.reason, reply
-    assert isinstance(rank1.ask(BatchRequest("L1", "solver", 1, 2, 0)), NoBatch)
+    reply = rank1.ask(BatchRequest("L1", "solver", 1, 2, 0))
+    assert isinstance(reply, NoBatch) and "rank 0 has not taken v0" in reply.reason
+    assert not st.buffers["solver"].cut and len(st.buffers["solver"].slices) == 2
     rank1.send(StepReport("solver", 1, {}))
     assert refused(rank1.next(), "forbidden")
     assert st.versions == {"solver": 0, "verifier": 0}
+    shards = [rank0.ask(BatchRequest("L0", "solver", 0, 2, 0)),
+              rank1.ask(BatchRequest("L1", "solver", 1, 2, 0))]  # fmt: skip
+    assert [(s.rank, s.version) for s in shards] == [(0, 0), (1, 0)]
     assert isinstance(rank0.ask(BatchRequest("L0", "solver", 0, 2, 1)), NoBatch)
     assert st.versions["solver"] == 1  # rank 0 asking for v1 has trained v0
 
