@@ -337,6 +337,7 @@ class Learner:
                 specs=specs,
                 peers=plan.members,
                 token=plan.token,
+                digest=digest if verify else None,
             )
             fingerprint = digest.hexdigest() if verify else ""
             done = PublishDone(model, version, stats.seconds, stats.bytes, digest=fingerprint)

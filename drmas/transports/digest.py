@@ -25,8 +25,14 @@ class Digest:
         self._parts[name] = h.hexdigest()
 
     def hexdigest(self) -> str:
+        return self.hexdigest_of(self._parts)
+
+    def hexdigest_of(self, names: Iterable[str]) -> str:
+        """The digest of `names` only, as a Digest fed just those tensors would give: what
+        a weight sender sends after a publish that carried part of what was fingerprinted,
+        without hashing the tensors again. KeyError for a name never added."""
         h = hashlib.sha256()
-        for name in sorted(self._parts):
+        for name in sorted(set(names)):
             h.update(f"{name}={self._parts[name]};".encode())
         return h.hexdigest()[:32]
 

@@ -261,3 +261,24 @@ def test_an_oversized_bucket_announce_allocates_no_more_than_the_model(sender) -
         decode_header(
             encode_header(Header(MAX_BUCKET_BYTES + 1, specs), CPU)[1].numpy().tobytes(), "g"
         )
+
+
+def test_a_digest_fed_by_the_stream_gives_the_same_trailer_without_hashing_again(
+    sender,
+) -> None:
+    """The learner fingerprints every tensor it gathers (hashing); the sender draws the
+    trailer from those fingerprints for the tensors it sent, here 2 of the 4 hashed (a
+    LoRA publish carries some adapters; the learner hashed them all)."""
+    from drmas.transports.digest import Digest, digest_of, hashing
+
+    state = model()
+    fed = Digest()
+    stream = (item for item in hashing(iter(state), fed) if item[0].startswith("a."))
+    specs = [spec_of(n, t) for n, t in state if n.startswith("a.")]
+    publish = lambda: sender.publish("g7", 2, stream, 10.0, specs=specs, digest=fed)  # noqa: E731
+    thread, out = in_thread(publish)
+    loaded, error = receive(WeightReceiver(), join(sender, "g7"))
+    thread.join(30)
+    assert error is None and "error" not in out  # the trailer matched what arrived
+    assert fed.hexdigest_of(["a.weight", "a.bias"]) == digest_of(state[:2])
+    assert [n for n, _ in loaded] == ["a.weight", "a.bias"]

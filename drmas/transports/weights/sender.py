@@ -124,6 +124,7 @@ class WeightSender:
         specs: Sequence[TensorSpec] | None = None,
         peers: Sequence[str] = (),
         token: str = "",
+        digest: Digest | None = None,
     ) -> PublishStats:
         """Broadcast `named_tensors` to ranks 1..world_size-1 of group `group_name`: the
         group of the previous publish when the name is the same, else a new one.
@@ -132,7 +133,9 @@ class WeightSender:
         the first tensor is gathered; without it the tensors are materialised first.
         `token`: the group's token from the broker's plan; every member proves it holds it
         before the header goes out ("" = no check, a broker that hands out none).
-        With weights.verify_digest a digest of every byte sent follows the last bucket.
+        With weights.verify_digest a digest of every byte sent follows the last bucket;
+        `digest`, a Digest the caller fills with each tensor as it streams
+        (drmas.transports.digest.hashing), spares hashing them a second time.
         Raises WeightSyncTimeout/WeightSyncError and aborts the group; a group that went
         through is kept for the next publish.
         """
@@ -152,7 +155,7 @@ class WeightSender:
             length, payload = encode_header(header, self.device)
             group.broadcast(length, "header length")
             group.broadcast(payload, "header")
-            sent = self._stream(group, header, buckets, named_tensors)
+            sent = self._stream(group, header, buckets, named_tensors, digest)
         except BaseException:
             group.close(ok=False)
             self._live = None
@@ -173,13 +176,15 @@ class WeightSender:
         header: Header,
         buckets: Sequence[Bucket],
         named_tensors: NamedTensors,
+        fed: Digest | None = None,
     ) -> int:
-        """Copy tensors into their buckets as they arrive; send each bucket once complete."""
+        """Copy tensors into their buckets as they arrive; send each bucket once complete;
+        then the digest trailer (drawn from `fed` when the caller hashes the stream)."""
         specs = header.tensors
         where = {i: (b, off) for b, bucket in enumerate(buckets) for i, off, _ in bucket.members}
         pipeline = Pipeline(group, lambda t: self._buffers.give(t, header.bucket_bytes))
         filling: dict[int, torch.Tensor] = {}
-        digest = Digest() if header.digest else None
+        digest = Digest() if header.digest and fed is None else None
         next_bucket, sent, count = 0, 0, 0
         for i, (name, tensor) in enumerate(named_tensors):
             if i >= len(specs) or spec_of(name, tensor) != specs[i]:
@@ -206,8 +211,14 @@ class WeightSender:
         pipeline.drain()
         if count != len(specs):
             raise WeightSyncError(f"got {count} tensors, header announced {len(specs)}")
-        if digest is not None:
-            trailer = digest.hexdigest().encode().ljust(DIGEST_BYTES, b"0")[:DIGEST_BYTES]
+        if header.digest:
+            value = digest.hexdigest() if digest is not None else ""
+            if fed is not None:
+                try:
+                    value = fed.hexdigest_of(spec.name for spec in specs)
+                except KeyError as exc:
+                    raise WeightSyncError(f"the stream's digest never saw tensor {exc}") from None
+            trailer = value.encode().ljust(DIGEST_BYTES, b"0")[:DIGEST_BYTES]
             data = torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(self.device)
             group.broadcast(data, "digest")
         return sent
