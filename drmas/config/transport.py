@@ -21,7 +21,9 @@ class WeightSyncConfig:
     """Address the learner's weight-group store binds and advertises to actors; "auto" =
     this node's address on the route to the broker (multi-node deployments)."""
     verify_digest: bool = True
-    """Fingerprint weights on both sides of every publish; the broker compares them."""
+    """Fingerprint weights on both sides of every publish: each receiver checks the sender's
+    digest before the weights go live (a mismatch rolls back or quarantines), and the broker
+    compares what every engine reports it holds. false: neither check."""
 
 
 @dataclass
