@@ -1,13 +1,17 @@
-"""The hostile-client cases against the broker's message handling: what each costs now.
+"""The hostile-client cases against the broker: what each costs now.
 
-    python benchmarks/bench_hostile.py [--out benchmarks/results/hostile.json]
+    python benchmarks/bench_hostile.py [--out benchmarks/results/hostile.json] [--parts 8000000]
 
-Each case sends its frames through `BrokerServer.handle`, the function the broker loop
-calls for every received frame (no socket in between, so the numbers are the broker's
-own), and records: messages sent, messages refused (by code), wall time, the largest
-reply and log line, the broker's resident memory before and after, and the sizes of the
-state that used to grow (learner registrations, digest maps, pending metrics,
-validation queue, versions).
+Two parts. `attacks`: the attacks of issue #25 (1: many empty parts before Hello, 2: huge
+valid messages before and after Hello, 3: peers that never read their replies, 5: twelve
+loopback aliases over the per-host cap, reconnecting every 100 ms) against a real broker
+process on loopback (`BrokerServer.serve`), each measured by the broker's resident memory
+(before, its peak during the attack: VmHWM reset through /proc/PID/clear_refs, and after),
+its CPU seconds, its counters, and an honest actor in its own process asking for a lease
+every 100 ms throughout (answered or not, and how long it waited). `handle`: the earlier
+cases sent through `BrokerServer.handle` in this process (no socket in between), with the
+refusals, wall time, largest reply and log line, memory and the sizes of the state that
+used to grow.
 """
 
 from __future__ import annotations
@@ -16,15 +20,20 @@ import argparse
 import gc
 import json
 import logging
+import multiprocessing as mp
+import os
+import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import msgpack  # noqa: E402
+import zmq  # noqa: E402
 
 from drmas.broker.server import BrokerServer  # noqa: E402
 from drmas.config import load_config  # noqa: E402
@@ -33,10 +42,15 @@ from drmas.protocol.messages import (  # noqa: E402
     ErrorReply,
     Heartbeat,
     Hello,
+    LeaseRequest,
     LeaseReturn,
+    Leases,
     PublishRequest,
+    StatusReply,
+    StatusRequest,
     StepReport,
     WeightsLoaded,
+    Welcome,
 )
 from tests.fixtures.router import Recorder  # noqa: E402
 
@@ -61,11 +75,8 @@ class LongestLine(logging.Handler):
         self.longest = max(self.longest, len(record.getMessage()))
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(REPO / "benchmarks/results/hostile.json"))
-    args = p.parse_args()
-    logging.basicConfig(level=logging.WARNING, stream=open("/dev/null", "w"))  # noqa: SIM115
+def handle_cases() -> dict:
+    """The earlier cases through BrokerServer.handle in this process."""
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps({"vocab_size": 64}))
     cfg = load_config([f"models.solver.path={tmp}", f"models.verifier.path={tmp}",
@@ -112,7 +123,7 @@ def main() -> int:
             ("m", Hello("actor", "m", PROTOCOL_VERSION, [f"model{i}" for i in range(1_000_000)]))
         ],
     }  # fmt: skip
-    out: dict = {"command": "python benchmarks/bench_hostile.py", "cases": {}}
+    out: dict = {"cases": {}}
     st = server.state
     for name, messages in cases.items():
         replies.update(count=0, errors=0, largest=0)
@@ -153,8 +164,247 @@ def main() -> int:
         print(name, json.dumps(out["cases"][name]["refused"]), f"{seconds:.2f}s",
               f"rss {before:.0f}->{rss_mb():.0f} MB", flush=True)  # fmt: skip
     out["refused/internal"] = st.counters["refused/internal"]
-    Path(args.out).write_text(json.dumps(out, indent=2))
     server.ctx.term()
+    return out
+
+
+# ------------------------------------------------------------ attacks on a real broker
+def broker_process(folder: str, conn: Any) -> None:
+    """The broker under attack, in its own process: serves until SIGTERM."""
+    logging.basicConfig(level=logging.ERROR)
+    cfg = load_config([f"models.solver.path={folder}", f"models.verifier.path={folder}",
+                       "train.steps=1000", "val.every=0"])  # fmt: skip
+    server = BrokerServer(cfg, None)
+    server.install_signal_handlers()
+    conn.send((server.address, server.intake.limits.group))
+    server.serve(max_seconds=1800)
+
+
+def honest_actor(address: str, stop: Any, conn: Any) -> None:
+    """An actor in its own process: Hello, then a LeaseRequest every 100 ms, each waited
+    for up to 30 s. Sends back [(time sent, seconds to the reply or None)]."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"honest")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    log: list[tuple[float, float | None]] = []
+
+    def ask(msg: object) -> float | None:
+        sent = time.time()
+        sock.send(encode(msg))
+        while sock.poll(30_000):
+            reply = decode_from_broker(sock.recv())
+            if isinstance(reply, (Welcome, Leases)):
+                return time.time() - sent
+        return None
+
+    ask(Hello("actor", "honest", PROTOCOL_VERSION, ["solver", "verifier"]))
+    while not stop.is_set():
+        sent = time.time()
+        log.append((sent, ask(LeaseRequest("honest", 1, {}))))
+        time.sleep(max(0.0, 0.1 - (time.time() - sent)))
+    conn.send(log)
+    sock.close()
+    ctx.term()
+
+
+class Broker:
+    """The broker process as the bench sees it: memory, CPU, counters."""
+
+    def __init__(self, pid: int, address: str, ctx: zmq.Context) -> None:
+        self.pid, self.address, self.ctx = pid, address, ctx
+        self.asks = 0
+
+    def status(self, key: str) -> int:
+        return int(Path(f"/proc/{self.pid}/status").read_text().split(f"{key}:")[1].split()[0])
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def counters(self) -> dict[str, int]:
+        self.asks += 1  # a fresh observer each time: status is rate-limited per peer
+        sock = self.dealer(f"ops-{self.asks}")
+        try:
+            sock.send(encode(StatusRequest()))
+            assert sock.poll(120_000), "the broker stopped answering StatusRequest"
+            reply = decode_from_broker(sock.recv())
+            assert isinstance(reply, StatusReply), reply
+            return dict(reply.counters)
+        finally:
+            sock.close(linger=0)
+
+    def dealer(self, identity: str, **opts: int) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        for name, value in opts.items():
+            sock.setsockopt(getattr(zmq, name), value)
+        sock.connect(self.address)
+        return sock
+
+
+def attack_many_parts(broker: Broker, parts: int) -> dict:
+    """1: `parts` empty parts before any Hello, then 1 M more (the peer is dropped), then
+    a StatusRequest (discarded while banned)."""
+    sock = broker.dealer("parts")
+    sock.send_multipart([b""] * parts + [b"x"])
+    first = decode_from_broker(sock.recv()) if sock.poll(300_000) else None
+    sock.send_multipart([b""] * 1_000_000 + [b"x"])
+    sock.send(encode(StatusRequest()))
+    later = sock.poll(5_000)
+    sock.close(linger=0)
+    return {"first_reply": getattr(first, "code", None), "answered_after_drop": bool(later)}
+
+
+def attack_huge_messages(broker: Broker, group_bytes: int) -> dict:
+    """2: LeaseReturns of one-byte lease ids: 64 MB (over the socket's ceiling) and just
+    under the ceiling before Hello, then 1 MB and 900 KB from a registered actor."""
+    replies = {}
+    for name, ids, hello in (("64mb_before_hello", 64_000_000, False),
+                             ("under_ceiling_before_hello", group_bytes - 1024, False),
+                             ("1mb_after_hello", 1_100_000, True),
+                             ("900kb_after_hello", 900_000, True)):  # fmt: skip
+        sock = broker.dealer(f"huge-{name}")
+        if hello:
+            sock.send(
+                encode(Hello("actor", f"huge-{name}", PROTOCOL_VERSION, ["solver", "verifier"]))
+            )
+            assert sock.poll(30_000) and isinstance(decode_from_broker(sock.recv()), Welcome)
+        frame = msgpack.packb({"type": "lease_return", "client_id": f"huge-{name}",
+                               "lease_ids": [1] * ids})  # fmt: skip
+        sock.send(frame)
+        reply = decode_from_broker(sock.recv()) if sock.poll(10_000) else None
+        replies[name] = {"bytes": len(frame), "reply": getattr(reply, "code", None)}
+        sock.close(linger=0)
+    return replies
+
+
+def attack_non_readers(broker: Broker) -> dict:
+    """3: 4 connections that never read (libzmq takes 1 reply, a 4 KB kernel buffer), each
+    sending 10,000 StatusRequests; then 4 more sending 10,000 LeaseReturns before Hello
+    (an unknown_client reply each, not rate-limited)."""
+    socks = []
+    for i in range(8):
+        sock = broker.dealer(f"deaf-{i}", RCVHWM=1, RCVBUF=4096, SNDHWM=20_000)
+        msg = encode(StatusRequest()) if i < 4 else encode(LeaseReturn(f"deaf-{i}", []))
+        for _ in range(10_000):
+            sock.send(msg)
+        socks.append(sock)
+    time.sleep(5)  # let the broker work through them
+    for sock in socks:
+        sock.close(linger=0)
+    return {"connections": 8, "messages_each": 10_000}
+
+
+def attack_loopback_aliases(broker: Broker) -> dict:
+    """5: 12 loopback aliases x 30 idle connections (360 against the cap of 256 per host),
+    then each alias opens a new connection every 100 ms for 10 s, all of them refused."""
+    host, port = broker.address.removeprefix("tcp://").rsplit(":", 1)
+    aliases = [f"127.0.0.{i}" for i in range(2, 14)]
+
+    def connect(src: str) -> socket.socket:
+        return socket.create_connection((host, int(port)), timeout=5, source_address=(src, 0))
+
+    held = [connect(src) for src in aliases for _ in range(30)]
+    storm, last = 0, []
+    start = time.monotonic()
+    cpu = broker.cpu_s()
+    while time.monotonic() - start < 10:  # each alias reconnects as a ZeroMQ client would
+        tick = time.monotonic()
+        for s in last:
+            s.close()
+        last = [connect(src) for src in aliases]
+        storm += len(last)
+        time.sleep(max(0.0, 0.1 - (time.monotonic() - tick)))
+    cpu = broker.cpu_s() - cpu
+    for s in held + last:
+        s.close()
+    return {"held": len(held), "reconnects": storm, "broker_cpu_s_during_reconnects": round(cpu, 3)}
+
+
+def run_attacks(parts: int) -> dict:
+    spawn = mp.get_context("spawn")
+    folder = tempfile.mkdtemp()
+    (Path(folder) / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    here, there = spawn.Pipe()
+    proc = spawn.Process(target=broker_process, args=(folder, there))
+    proc.start()
+    address, group_bytes = here.recv()
+    stop = spawn.Event()
+    actor_here, actor_there = spawn.Pipe()
+    actor = spawn.Process(target=honest_actor, args=(address, stop, actor_there))
+    actor.start()
+    ctx = zmq.Context()
+    broker = Broker(proc.pid or 0, address, ctx)
+    time.sleep(2)
+    cases = {"1_many_parts_before_hello": lambda: attack_many_parts(broker, parts),
+             "2_huge_valid_messages": lambda: attack_huge_messages(broker, group_bytes),
+             "3_peers_that_never_read": lambda: attack_non_readers(broker),
+             "5_loopback_aliases_and_reconnects": lambda: attack_loopback_aliases(broker)}  # fmt: skip
+    out: dict = {"group_bytes_ceiling": group_bytes, "cases": {}}
+    windows = {}
+    try:
+        for name, attack in cases.items():
+            before_counters = broker.counters()
+            time.sleep(1)
+            Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # resets VmHWM
+            rss_before, cpu, start = broker.status("VmRSS"), broker.cpu_s(), time.time()
+            detail = attack()
+            seconds = time.time() - start
+            peak = broker.status("VmHWM")
+            time.sleep(3)
+            after = broker.counters()
+            windows[name] = (start, time.time())
+            out["cases"][name] = {
+                "seconds": round(seconds, 2),
+                "broker_cpu_s": round(broker.cpu_s() - cpu, 2),
+                "rss_mb_before": round(rss_before / 1024, 1),
+                "rss_mb_peak": round(peak / 1024, 1),
+                "rss_mb_after": round(broker.status("VmRSS") / 1024, 1),
+                "rss_growth_mb_peak": round((peak - rss_before) / 1024, 1),
+                "rss_growth_mb_after": round((broker.status("VmRSS") - rss_before) / 1024, 1),
+                "counters": {
+                    k: v - before_counters.get(k, 0)
+                    for k, v in after.items()
+                    if v != before_counters.get(k, 0) and not k.startswith("leases")
+                },
+                "detail": detail,
+            }
+            print(name, json.dumps(out["cases"][name]), flush=True)
+        time.sleep(3)  # the honest actor goes on after the last attack
+    finally:
+        stop.set()
+        log = actor_here.recv() if actor_here.poll(60) else []
+        actor.join(30)
+        proc.terminate()
+        proc.join(60)
+        ctx.destroy(linger=0)
+    for name, (start, end) in windows.items():
+        asked = [(t, s) for t, s in log if start <= t <= end]
+        waits = [s for _, s in asked if s is not None]
+        out["cases"][name]["honest_actor"] = {
+            "lease_requests": len(asked), "answered": len(waits),
+            "max_wait_s": round(max(waits, default=0.0), 3),
+        }  # fmt: skip
+    tail = [s for t, s in log if t > max((e for _, e in windows.values()), default=0.0)]
+    out["honest_actor_after"] = {
+        "lease_requests": len(tail),
+        "answered": sum(s is not None for s in tail),
+    }
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(REPO / "benchmarks/results/hostile.json"))
+    p.add_argument("--parts", type=int, default=8_000_000, help="attack 1's empty parts")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=open("/dev/null", "w"))  # noqa: SIM115
+    out = {"command": f"python benchmarks/bench_hostile.py --parts {args.parts}",
+           "attacks": run_attacks(args.parts), "handle": handle_cases()}  # fmt: skip
+    Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 
 
