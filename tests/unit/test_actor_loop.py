@@ -16,6 +16,7 @@ from drmas.actors.main import Actor
 from drmas.config import load_config
 from drmas.protocol import decode_to_broker, encode
 from drmas.protocol.messages import Goodbye, Hello, LeaseRequest, Leases, Shutdown, Welcome
+from tests.fixtures.engines import InPlace
 
 
 def scripted_broker(sock: zmq.Socket, seen: list[str]) -> None:
@@ -73,22 +74,6 @@ def test_shutdown_read_between_requests_stops_without_asking_again(
     assert seen[-1] == "Goodbye", seen
 
 
-class _InPlaceSim:
-    """A sim engine that cannot roll back (like vLLM/SGLang, whose workers load in place)."""
-
-    backup_weights = None  # hides the RollsBack methods from the runtime protocol check
-    restore_weights = None
-
-    def __init__(self, inner: object) -> None:
-        object.__setattr__(self, "_inner", inner)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._inner, name)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        setattr(self._inner, name, value)
-
-
 @pytest.mark.parametrize("rolls_back", [True, False])
 def test_a_load_that_fails_half_way_never_leaves_half_loaded_weights_serving(
     monkeypatch: pytest.MonkeyPatch, rolls_back: bool
@@ -117,7 +102,7 @@ def test_a_load_that_fails_half_way_never_leaves_half_loaded_weights_serving(
         await engine.start()
         engine.load_weights([("w", torch.zeros(3))], 1)  # serving v1
         before = engine.weights_digest()
-        actor.engines = {"solver": engine if rolls_back else _InPlaceSim(engine)}  # type: ignore[dict-item]
+        actor.engines = {"solver": engine if rolls_back else InPlace(engine)}  # type: ignore[dict-item]
         assert isinstance(actor.engines["solver"], RollsBack) == rolls_back
         actor.running[7] = asyncio.create_task(asyncio.sleep(60))
         actor.leases[7] = None  # type: ignore[assignment]

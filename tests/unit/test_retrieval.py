@@ -10,7 +10,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from drmas.retrieval import (
 from drmas.retrieval.batching import BatchingRetriever
 from drmas.retrieval.http import HttpRetriever, RetrieverError
 from drmas.transports.ports import free_port
+from tests.fixtures.waiting import wait_until
 
 PLANTED = {"id": "planted", "title": "Zorvath Quell", "text": "Zorvath Quell was born in Miravel."}
 SYLLABLES = ["ka", "lo", "mi", "ra", "te", "vu", "son", "dar", "bel", "nor", "fen", "pim"]
@@ -374,14 +375,6 @@ def test_server_round_trip_and_bad_requests(corpus: Path) -> None:
     finally:
         server.shutdown()
         server.server_close()
-
-
-def wait_until(condition: Callable[[], bool], failure: str, deadline_s: float = 30.0) -> None:
-    """Poll `condition` until it holds; fail with `failure` once `deadline_s` has passed."""
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < deadline, failure
-        time.sleep(0.01)
 
 
 def test_server_caps_connections_and_times_out_stalled_clients(corpus: Path) -> None:

@@ -11,9 +11,8 @@ import http.client
 import json
 import socket
 import threading
-import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -21,6 +20,7 @@ from drmas.retrieval.corpus import Passage
 from drmas.retrieval.handler import BodyGate
 from drmas.retrieval.intake import HEAD_BYTES, LARGE_BODY_BYTES, Limits
 from drmas.retrieval.server import BoundedServer, make_server
+from tests.fixtures.waiting import wait_until
 
 
 class Echo:
@@ -45,13 +45,6 @@ def serving(limits: Limits) -> Iterator[BoundedServer]:
     finally:
         server.shutdown()
         server.server_close()
-
-
-def wait_until(condition: Callable[[], bool], failure: str, deadline_s: float = 30.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < deadline, failure
-        time.sleep(0.01)
 
 
 def exchange(server: BoundedServer, data: bytes) -> tuple[int, dict[str, object]]:

@@ -27,6 +27,7 @@ from drmas.protocol.messages import JoinWeightGroup, LeaseReturn, WeightsLoaded
 from drmas.transports.weights import Header, WeightSender, check_covers, spec_of
 from drmas.transports.weights.group import Pipeline
 from drmas.transports.weights.layout import WeightSyncError, expected_of
+from tests.fixtures.engines import InPlace
 
 
 class Tampering(Pipeline):
@@ -37,22 +38,6 @@ class Tampering(Pipeline):
         tensor = tensor.clone()
         tensor.view(torch.uint8)[0] ^= 1
         super().push(tensor, what)
-
-
-class InPlace:
-    """An engine that cannot roll back (as vLLM/SGLang, whose workers load in place)."""
-
-    backup_weights = None  # hides the RollsBack methods from the runtime protocol check
-    restore_weights = None
-
-    def __init__(self, inner: object) -> None:
-        object.__setattr__(self, "_inner", inner)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._inner, name)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        setattr(self._inner, name, value)
 
 
 @pytest.fixture(scope="module")
