@@ -1,0 +1,90 @@
+"""`drmas probe` on each built-in team, into benchmarks/results/probe/ (what docs/results.md
+and docs/probe.md show).
+
+    python benchmarks/probe_teams.py [--only tiny_math_sampled ...] [--out benchmarks/results/probe]
+
+One `drmas probe` per case below, one at a time (each about 1-3 minutes on 2 cores with
+the models cached), each into its own run folder; its probe.json is copied to
+<out>/<case>.json with the command, the git commit and whether the tree had changes. A case
+whose file exists is skipped: delete the file to measure it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "benchmarks" / "results" / "probe"
+
+SYNTHETIC = "probe.rewards={solver: [0, 3], verifier: [1, 0.3]}"
+CASES: dict[str, tuple[str, ...]] = {
+    "tiny_math_synthetic": (SYNTHETIC,),
+    "tiny_math_sampled": (),
+    "tiny_math_shared_sampled": ("experiment=tiny_math_shared",),
+    "tiny_math_role_sampled": ("workflow.rewards=role",),
+    "search_tiny_sampled": ("experiment=search_tiny",),
+    "search_tiny_role_sampled": ("experiment=search_tiny", "workflow.rewards=role"),
+    "search_tiny_role_sampled_128g_seed1": (
+        "experiment=search_tiny", "workflow.rewards=role", "probe.groups=128", "probe.seed=1",
+    ),
+}  # fmt: skip
+"""Case -> the overrides of its `drmas probe` (64 groups, seed 0 unless they say)."""
+
+
+def git_state() -> tuple[str, bool]:
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        return done.stdout.strip()
+
+    dirty = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
+             if "benchmarks/results/" not in line]  # fmt: skip
+    return git("rev-parse", "HEAD"), bool(dirty)
+
+
+def probe(case: str, out: Path) -> None:
+    target = out / f"{case}.json"
+    if target.is_file():
+        print(f"{case}: recorded before, skipped", flush=True)
+        return
+    commit, dirty = git_state()
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"probe-{case}-") as tmp:
+        args = [*CASES[case], f"run.dir={tmp}/run"]
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "drmas.launch.cli", "probe", *args],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(
+                f"{case}: drmas probe failed ({done.returncode})\n{done.stderr[-3000:]}"
+            )
+        result = json.loads((Path(tmp) / "run" / "probe.json").read_text())
+        png = Path(tmp) / "run" / "probe.png"
+        if png.is_file():
+            shutil.copyfile(png, out / f"{case}.png")
+    result["command"] = "drmas probe " + " ".join(repr(a) if " " in a else a for a in CASES[case])
+    result.update(commit=commit, dirty=dirty, probe_wall_s=time.monotonic() - start)
+    target.write_text(json.dumps(result, indent=2))
+    print(f"{case}: {result['probe_wall_s']:.0f} s", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="*", choices=sorted(CASES), help="cases (default: all)")
+    p.add_argument("--out", default=str(OUT))
+    args = p.parse_args()
+    for case in args.only or CASES:
+        probe(case, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
