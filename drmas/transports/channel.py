@@ -53,7 +53,7 @@ from drmas.transports.security import check_bind, secure_client, secure_server
 
 T = TypeVar("T")
 
-REPLY_QUEUE = 64
+REPLY_QUEUE = 1000
 """Replies the broker queues for one peer (SNDHWM); a peer that lets them pile up is dropped."""
 RECV_QUEUE = 1000
 """Messages of one peer waiting for the broker's loop (RCVHWM)."""

@@ -244,7 +244,7 @@ def test_frames_of_a_banned_identity_are_never_decoded(
 
 def test_a_peer_that_does_not_read_its_replies_is_dropped(server: BrokerServer) -> None:
     """A client whose libzmq takes one reply and whose kernel buffer is 4 KB: the broker's
-    64 queued replies fill and it is dropped instead of buffered for."""
+    1,000 queued replies (REPLY_QUEUE) fill and it is dropped instead of buffered for."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"deaf")
