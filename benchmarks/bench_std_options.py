@@ -1,0 +1,172 @@
+"""The search team's gradient spikes under plain Dr. MAS, a batch-pooled σ_k and a floored σ_k,
+over seeds: spike steps per agent and held-out EM.
+
+    python benchmarks/bench_std_options.py [--seeds 0 1 2] [--out benchmarks/results/std_options.json]
+    python benchmarks/bench_std_options.py --summarize    # only recompute from the records
+
+Per seed, three `drmas train experiment=search_tiny` runs, identical but for the σ option:
+- plain: Dr. MAS as written (σ_k from each group's steps of agent k);
+- pooled: `algorithm.advantage.agent_std_pool=batch` (σ_k from the batch's group-centred
+  scores of agent k; the per-group mean stays);
+- floored: `algorithm.advantage.std_floor=0.3`.
+30 steps, on-policy (`algorithm.max_staleness=0`, so the machine's load cannot change what
+they learn), held-out EM once at the end (n = k = 8 over the 240 held-out tasks). A seed
+varies the Search Agent's warm start (the Verifier's and the Answer Agent's are seed 0's,
+as in the team study, whose cached models this reuses), the task stream and the sampling.
+
+Per run: spike steps per agent (`agent_grad_norm/<agent>` over 3× the median of the 10
+steps before, as `drmas report` counts them), the largest and median norm, final EM. Over
+seeds: each option's paired difference from plain (EM: mean and 95 % t-interval; spikes: a
+sign test). `benchmarks/spike_diagnostics.py` on the plain runs (pooled) says what the
+spikes line up with; its output is kept in the results too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO))
+
+from study_stats import mean_ci, sign_test, significant  # noqa: E402
+
+from drmas.launch.report_stats import load_run, spike_stats  # noqa: E402
+
+OUT = REPO / "benchmarks" / "results" / "std_options.json"
+AGENTS = ("verifier", "searcher", "answerer")
+COMMON = (
+    "experiment=search_tiny",
+    "algorithm.max_staleness=0",
+    "train.steps=30",
+    "val.every=1000",
+    "val.at_start=false",
+    "val.n=8",
+    "val.k=8",
+    "train.progress=false",
+)
+VARIANTS = {
+    "plain": (),
+    "pooled": ("algorithm.advantage.agent_std_pool=batch",),
+    "floored": ("algorithm.advantage.std_floor=0.3",),
+}
+
+
+def overrides(variant: str, seed: int, run_dir: Path) -> list[str]:
+    return [
+        *COMMON,
+        *VARIANTS[variant],
+        f"task.order_seed={seed}",
+        f"actor.engine.seed={seed}",
+        f"models.searcher.warmstart.seed={seed}",
+        f"run.dir={run_dir}",
+    ]
+
+
+def git_commit() -> str:
+    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    return done.stdout.strip()
+
+
+def final_em(run_dir: Path) -> float:
+    run = load_run(run_dir)
+    if not run.validation:
+        raise SystemExit(f"{run_dir}: no validation line")
+    last = run.validation[-1]
+    return float(last["val/avg@8"])  # the study's search metric: avg@8 of exact match
+
+
+def run_one(folder: Path, variant: str, seed: int) -> dict[str, Any]:
+    record_path = folder / f"{variant}_s{seed}.json"
+    if record_path.is_file():
+        return json.loads(record_path.read_text())
+    run_dir = folder / "runs" / f"{variant}_s{seed}"
+    args = overrides(variant, seed, run_dir)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "drmas.launch.cli", "train", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=3600)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(
+            f"{variant} seed {seed} failed ({done.returncode}):\n{done.stderr[-3000:]}"
+        )
+    stats = spike_stats(load_run(run_dir))
+    record = {
+        "variant": variant, "seed": seed, "commit": git_commit(),
+        "command": "drmas train " + " ".join(args), "wall_s": time.monotonic() - start,
+        "em": final_em(run_dir),
+        "agents": {a: stats.get(f"agent {a}", {}) for a in AGENTS},
+        "run_dir": str(run_dir),
+    }  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    record_path.write_text(json.dumps(record, indent=2))
+    print(f"{variant} s{seed}: {record['wall_s']:.0f} s, EM {record['em']:.3f}", flush=True)
+    return record
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    by = {(r["variant"], r["seed"]): r for r in records}
+    out: dict[str, Any] = {"setup": list(COMMON), "variants": {}}
+    for variant in VARIANTS:
+        seeds = sorted(s for v, s in by if v == variant)
+        rs = [by[(variant, s)] for s in seeds]
+        entry: dict[str, Any] = {
+            "seeds": seeds,
+            "em": mean_ci([r["em"] for r in rs]),
+            "spikes": {a: [r["agents"][a].get("spikes", 0) for r in rs] for a in AGENTS},
+            "max_norm": {a: [r["agents"][a].get("max") for r in rs] for a in AGENTS},
+            "median_norm": {a: [r["agents"][a].get("median") for r in rs] for a in AGENTS},
+        }
+        if variant != "plain":
+            paired = [s for s in seeds if ("plain", s) in by]
+            entry["em_minus_plain"] = significant(
+                mean_ci([by[(variant, s)]["em"] - by[("plain", s)]["em"] for s in paired])
+            )
+            entry["spikes_vs_plain"] = {
+                a: sign_test([by[(variant, s)]["agents"][a].get("spikes", 0) for s in paired],
+                             [by[("plain", s)]["agents"][a].get("spikes", 0) for s in paired])
+                for a in AGENTS
+            }  # fmt: skip
+        out["variants"][variant] = entry
+    return out
+
+
+def diagnostics(folder: Path, seeds: list[int]) -> str:
+    """spike_diagnostics.py's table over the plain runs, pooled."""
+    dirs = [str(folder / "runs" / f"plain_s{s}") for s in seeds]
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "spike_diagnostics.py"), *dirs],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return done.stdout if done.returncode == 0 else f"failed: {done.stderr[-2000:]}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--summarize", action="store_true", help="only recompute from the records")
+    args = p.parse_args()
+    out = Path(args.out)
+    folder = out.with_suffix("")
+    if not args.summarize:
+        for seed in args.seeds:
+            for variant in VARIANTS:
+                run_one(folder, variant, seed)
+    records = [json.loads(f.read_text()) for f in sorted(folder.glob("*_s*.json"))]
+    summary = summarize(records)
+    plain_seeds = summary["variants"]["plain"]["seeds"]
+    if all((folder / "runs" / f"plain_s{s}").is_dir() for s in plain_seeds):
+        summary["spike_diagnostics_plain"] = diagnostics(folder, plain_seeds)
+    out.write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
