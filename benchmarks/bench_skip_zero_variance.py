@@ -89,7 +89,7 @@ def run_one(folder: Path, variant: str, seed: int) -> dict[str, Any]:
     summary = json.loads((run_dir / "broker_summary.json").read_text())
     record = {
         "variant": variant, "seed": seed, "commit": git_commit(),
-        "command": "drmas train " + " ".join(args), "wall_s": time.monotonic() - start,
+        "command": "drmas train " + " ".join(a.replace(f"{REPO.resolve()}/", "") for a in args), "wall_s": time.monotonic() - start,
         "curve": [[int(v["step"]), v[METRIC]] for v in run.validation if METRIC in v],
         "counters": {k: summary["counters"].get(k, 0) for k in
                      ("groups_accepted", "zero_variance_groups_skipped")},

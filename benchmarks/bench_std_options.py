@@ -70,6 +70,11 @@ def overrides(variant: str, seed: int, run_dir: Path) -> list[str]:
     ]
 
 
+def relative(path: object) -> str:
+    """`path` (or an override holding one) without this machine's repository prefix."""
+    return str(path).replace(f"{REPO.resolve()}/", "")
+
+
 def git_commit() -> str:
     done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
                           text=True, timeout=60)  # fmt: skip
@@ -101,10 +106,10 @@ def run_one(folder: Path, variant: str, seed: int) -> dict[str, Any]:
     stats = spike_stats(load_run(run_dir))
     record = {
         "variant": variant, "seed": seed, "commit": git_commit(),
-        "command": "drmas train " + " ".join(args), "wall_s": time.monotonic() - start,
+        "command": "drmas train " + " ".join(relative(a) for a in args), "wall_s": time.monotonic() - start,
         "em": final_em(run_dir),
         "agents": {a: stats.get(f"agent {a}", {}) for a in AGENTS},
-        "run_dir": str(run_dir),
+        "run_dir": relative(run_dir),
     }  # fmt: skip
     folder.mkdir(parents=True, exist_ok=True)
     record_path.write_text(json.dumps(record, indent=2))
