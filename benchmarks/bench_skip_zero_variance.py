@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +30,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 
 from study_stats import mean_ci, significant  # noqa: E402
+from variant_runs import train_once  # noqa: E402
 
 from drmas.launch.report_stats import load_run  # noqa: E402
 
@@ -64,41 +62,16 @@ def overrides(variant: str, seed: int, run_dir: Path) -> list[str]:
     ]
 
 
-def git_commit() -> str:
-    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
-    return done.stdout.strip()
-
-
-def run_one(folder: Path, variant: str, seed: int) -> dict[str, Any]:
-    """One `drmas train` run (skipped when its record exists), recorded as JSON."""
-    record_path = folder / f"{variant}_s{seed}.json"
-    if record_path.is_file():
-        return json.loads(record_path.read_text())
-    run_dir = folder / "runs" / f"{variant}_s{seed}"
-    args = overrides(variant, seed, run_dir)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "drmas.launch.cli", "train", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=3600)  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(
-            f"{variant} seed {seed} failed ({done.returncode}):\n{done.stderr[-3000:]}"
-        )
+def measure(run_dir: Path) -> dict[str, Any]:
+    """The validation curve and what the broker counted: groups taken in and skipped."""
     run = load_run(run_dir)
     summary = json.loads((run_dir / "broker_summary.json").read_text())
-    record = {
-        "variant": variant, "seed": seed, "commit": git_commit(),
-        "command": "drmas train " + " ".join(a.replace(f"{REPO.resolve()}/", "") for a in args), "wall_s": time.monotonic() - start,
+    return {
         "curve": [[int(v["step"]), v[METRIC]] for v in run.validation if METRIC in v],
         "counters": {k: summary["counters"].get(k, 0) for k in
                      ("groups_accepted", "zero_variance_groups_skipped")},
         "trained_groups": summary.get("trained_groups", {}),
     }  # fmt: skip
-    folder.mkdir(parents=True, exist_ok=True)
-    record_path.write_text(json.dumps(record, indent=2))
-    print(f"{variant} s{seed}: {record['wall_s']:.0f} s, final {record['curve'][-1]}", flush=True)
-    return record
 
 
 def final(record: dict[str, Any]) -> float:
@@ -160,7 +133,8 @@ def main() -> None:
     if not args.summarize:
         for seed in args.seeds:
             for variant in VARIANTS:
-                run_one(folder, variant, seed)
+                train_once(folder, variant, seed,
+                           lambda d, v=variant, s=seed: overrides(v, s, d), measure)  # fmt: skip
     records = [json.loads(f.read_text()) for f in sorted(folder.glob("*_s*.json"))]
     summary = summarize(records)
     out.write_text(json.dumps(summary, indent=2))

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 
 from study_stats import mean_ci, sign_test, significant  # noqa: E402
+from variant_runs import relative, train_once  # noqa: E402
 
 from drmas.launch.report_stats import load_run, spike_stats  # noqa: E402
 
@@ -70,17 +69,6 @@ def overrides(variant: str, seed: int, run_dir: Path) -> list[str]:
     ]
 
 
-def relative(path: object) -> str:
-    """`path` (or an override holding one) without this machine's repository prefix."""
-    return str(path).replace(f"{REPO.resolve()}/", "")
-
-
-def git_commit() -> str:
-    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
-    return done.stdout.strip()
-
-
 def final_em(run_dir: Path) -> float:
     run = load_run(run_dir)
     if not run.validation:
@@ -89,32 +77,14 @@ def final_em(run_dir: Path) -> float:
     return float(last["val/avg@8"])  # the study's search metric: avg@8 of exact match
 
 
-def run_one(folder: Path, variant: str, seed: int) -> dict[str, Any]:
-    record_path = folder / f"{variant}_s{seed}.json"
-    if record_path.is_file():
-        return json.loads(record_path.read_text())
-    run_dir = folder / "runs" / f"{variant}_s{seed}"
-    args = overrides(variant, seed, run_dir)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "drmas.launch.cli", "train", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=3600)  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(
-            f"{variant} seed {seed} failed ({done.returncode}):\n{done.stderr[-3000:]}"
-        )
+def measure(run_dir: Path) -> dict[str, Any]:
+    """Final avg@8 and each agent's gradient-norm statistics (spikes, largest, median)."""
     stats = spike_stats(load_run(run_dir))
-    record = {
-        "variant": variant, "seed": seed, "commit": git_commit(),
-        "command": "drmas train " + " ".join(relative(a) for a in args), "wall_s": time.monotonic() - start,
+    return {
         "em": final_em(run_dir),
         "agents": {a: stats.get(f"agent {a}", {}) for a in AGENTS},
         "run_dir": relative(run_dir),
-    }  # fmt: skip
-    folder.mkdir(parents=True, exist_ok=True)
-    record_path.write_text(json.dumps(record, indent=2))
-    print(f"{variant} s{seed}: {record['wall_s']:.0f} s, EM {record['em']:.3f}", flush=True)
-    return record
+    }
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -163,7 +133,8 @@ def main() -> None:
     if not args.summarize:
         for seed in args.seeds:
             for variant in VARIANTS:
-                run_one(folder, variant, seed)
+                train_once(folder, variant, seed,
+                           lambda d, v=variant, s=seed: overrides(v, s, d), measure)  # fmt: skip
     records = [json.loads(f.read_text()) for f in sorted(folder.glob("*_s*.json"))]
     summary = summarize(records)
     plain_seeds = summary["variants"]["plain"]["seeds"]

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from variant_runs import run_drmas  # noqa: E402
+
 OUT = REPO / "benchmarks" / "results" / "probe"
 
 SYNTHETIC = "probe.rewards={solver: [0, 3], verifier: [1, 0.3]}"
@@ -59,20 +61,13 @@ def probe(case: str, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"probe-{case}-") as tmp:
         args = [*CASES[case], f"run.dir={tmp}/run"]
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        start = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "drmas.launch.cli", "probe", *args],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)  # fmt: skip
-        if done.returncode != 0:
-            raise SystemExit(
-                f"{case}: drmas probe failed ({done.returncode})\n{done.stderr[-3000:]}"
-            )
+        wall = run_drmas("probe", args, f"{case}: drmas probe")
         result = json.loads((Path(tmp) / "run" / "probe.json").read_text())
         png = Path(tmp) / "run" / "probe.png"
         if png.is_file():
             shutil.copyfile(png, out / f"{case}.png")
     result["command"] = "drmas probe " + " ".join(repr(a) if " " in a else a for a in CASES[case])
-    result.update(commit=commit, dirty=dirty, probe_wall_s=time.monotonic() - start)
+    result.update(commit=commit, dirty=dirty, probe_wall_s=wall)
     target.write_text(json.dumps(result, indent=2))
     print(f"{case}: {result['probe_wall_s']:.0f} s", flush=True)
 

@@ -4,7 +4,6 @@ or changed its state before the gate (drmas/broker/gate.py) existed."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import selectors
@@ -21,7 +20,6 @@ import zmq
 from drmas.broker.connections import ConnectionCap
 from drmas.broker.server import BrokerServer
 from drmas.broker.status import lease_accounting
-from drmas.config import load_config
 from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode, pack_ids, pack_logprobs
 from drmas.protocol.codec import ProtocolError, decode_to_broker
 from drmas.protocol.messages import (
@@ -534,28 +532,20 @@ def hung_up(socks: list[socket.socket], want: int, timeout: float = 10.0) -> int
 def test_connections_beyond_the_per_host_cap_are_closed(tmp_path: Path) -> None:
     """3,000 idle connections used to stay open (+80 MB); now a host holds at most
     broker.max_connections_per_host and the rest are closed as they arrive."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"vocab_size": 64}))
-    cfg = load_config([f"models.solver.path={folder}", f"models.verifier.path={folder}",
-                       "val.every=0", "broker.max_connections_per_host=20"])  # fmt: skip
-    srv = BrokerServer(cfg, None)
-    cap = srv.connections
-    host, port = srv.address.removeprefix("tcp://").rsplit(":", 1)
-    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(60)]
-    try:
-        assert wait_for(cap, lambda: cap.refused >= 40)
-        assert cap.refused == 40 and cap.per_host["loopback"] == 20
-        assert hung_up(idle, 40) == 40  # the refused ones see the broker hang up, no others
-        for s in idle[:10]:  # room again once some leave
-            s.close()
-        assert wait_for(cap, lambda: cap.per_host["loopback"] <= 10)
-        assert cap.per_host["loopback"] == 10
-        peer = Peer(srv, "ops")
-        assert isinstance(peer.ask(StatusRequest()), StatusReply)
-    finally:
-        for s in idle:
-            s.close()
-        srv.connections.close()
-        srv.sock.close(linger=0)
-        srv.ctx.term()
+    with broker_server(tmp_path, "broker.max_connections_per_host=20") as srv:
+        cap = srv.connections
+        host, port = srv.address.removeprefix("tcp://").rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(60)]
+        try:
+            assert wait_for(cap, lambda: cap.refused >= 40)
+            assert cap.refused == 40 and cap.per_host["loopback"] == 20
+            assert hung_up(idle, 40) == 40  # the refused ones see the broker hang up, no others
+            for s in idle[:10]:  # room again once some leave
+                s.close()
+            assert wait_for(cap, lambda: cap.per_host["loopback"] <= 10)
+            assert cap.per_host["loopback"] == 10
+            peer = Peer(srv, "ops")
+            assert isinstance(peer.ask(StatusRequest()), StatusReply)
+        finally:
+            for s in idle:
+                s.close()

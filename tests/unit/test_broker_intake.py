@@ -6,7 +6,6 @@ fake socket and clock where exact counts do."""
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from collections import Counter
@@ -22,7 +21,6 @@ import drmas.broker.server as server_mod
 from drmas.broker.connections import OBSERVER_KEY_CONNECTIONS, ConnectionCap, host_of
 from drmas.broker.intake import STATUS_BURST, STRIKES, FrameLimits, Intake, is_group_result
 from drmas.broker.server import BrokerServer, group_bytes
-from drmas.config import load_config
 from drmas.protocol import encode
 from drmas.protocol.messages import (
     GroupResult,
@@ -284,33 +282,21 @@ def _open(srv: BrokerServer, sources: list[str], each: int) -> list[socket.socke
     ]
 
 
-def _server(tmp_path: Path, *overrides: str) -> BrokerServer:
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"vocab_size": 64}))
-    cfg = load_config([f"models.solver.path={folder}", f"models.verifier.path={folder}",
-                       "val.every=0", *overrides])  # fmt: skip
-    return BrokerServer(cfg, None)
-
-
 @pytest.mark.parametrize("cap", ["max_connections_per_host", "max_connections"])
 def test_twelve_loopback_aliases_share_one_cap(tmp_path: Path, cap: str) -> None:
     """The issue's 127.0.0.2 ... 127.0.0.13: 12 addresses x 5 connections against a cap of
     20 (per host, or in all): 40 are closed as they arrive."""
     other = "max_connections" if cap == "max_connections_per_host" else "max_connections_per_host"
-    srv = _server(tmp_path, f"broker.{cap}=20", f"broker.{other}=1000")
-    idle = _open(srv, [f"127.0.0.{i}" for i in range(2, 14)], 5)
-    try:
-        conns = srv.connections
-        assert wait_for(conns, lambda: conns.refused >= 40)
-        assert conns.refused == 40 and conns.per_host == {"loopback": 20}
-        assert hung_up(idle, 40) == 40
-    finally:
-        for s in idle:
-            s.close()
-        srv.connections.close()
-        srv.sock.close(linger=0)
-        srv.ctx.term()
+    with broker_server(tmp_path, f"broker.{cap}=20", f"broker.{other}=1000") as srv:
+        idle = _open(srv, [f"127.0.0.{i}" for i in range(2, 14)], 5)
+        try:
+            conns = srv.connections
+            assert wait_for(conns, lambda: conns.refused >= 40)
+            assert conns.refused == 40 and conns.per_host == {"loopback": 20}
+            assert hung_up(idle, 40) == 40
+        finally:
+            for s in idle:
+                s.close()
 
 
 class KeyFrame:
