@@ -37,6 +37,7 @@ from drmas.protocol.messages import (
 )
 from drmas.transports.channel import bind_router
 from drmas.transports.ports import free_port
+from tests.rendezvous import gloo_init
 
 pytestmark = pytest.mark.slow
 
@@ -116,15 +117,13 @@ def shards(samples: list[Sample], world_size: int) -> list[BatchShard]:
     ]
 
 
-def train_worker(rank: int, world_size: int, port: int, cfg, shard_list, out: str) -> None:
+def train_worker(rank: int, world_size: int, init: str, cfg, shard_list, out: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     from drmas.learners.trainer import Trainer
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
         trainer = Trainer(cfg, MODEL, rank, world_size, "cpu")
         before = dict(trainer.full_state_dict_iter())
@@ -141,7 +140,7 @@ def train_worker(rank: int, world_size: int, port: int, cfg, shard_list, out: st
 def run_world(world_size: int, cfg, shard_list, out: Path) -> dict:
     mp.spawn(
         train_worker,
-        args=(world_size, free_port(), cfg, shard_list, str(out)),
+        args=(world_size, gloo_init(), cfg, shard_list, str(out)),
         nprocs=world_size,
         join=True,
     )
@@ -389,14 +388,14 @@ def test_learner_process_trains_publishes_and_saves(tmp_path: Path) -> None:
 # Precision: fp32 master weights with bf16 compute train like fp32 at the paper's lr
 
 
-def precision_worker(rank: int, port: int, cfgs, shard_list, out: str, steps: int) -> None:
+def precision_worker(rank: int, init: str, cfgs, shard_list, out: str, steps: int) -> None:
     """Each config in turn, in one process (one gloo group): `steps` updates each."""
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     from drmas.learners.trainer import Trainer
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
     try:
         results = {}
         for name, cfg in cfgs.items():
@@ -432,7 +431,7 @@ def precision_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     path = tmp / "precision.pt"
     mp.spawn(
         precision_worker,
-        args=(free_port(), cfgs, shards(make_samples(), 1), str(path), 10),
+        args=(gloo_init(), cfgs, shards(make_samples(), 1), str(path), 10),
         nprocs=1,
         join=True,
     )
@@ -469,7 +468,7 @@ def test_bf16_mixed_moves_master_weights_like_fp32(precision_runs: dict) -> None
 # is computed, never the loss or the gradient
 
 
-def grad_worker(rank: int, world_size: int, port: int, cfgs, shard_list, out: str) -> None:
+def grad_worker(rank: int, world_size: int, init: str, cfgs, shard_list, out: str) -> None:
     """Per config: one update's accumulated gradient (full tensors) and loss, no step."""
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -477,9 +476,7 @@ def grad_worker(rank: int, world_size: int, port: int, cfgs, shard_list, out: st
 
     from drmas.learners.trainer import Trainer
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
         results = {}
         for name, cfg in cfgs.items():
@@ -534,7 +531,7 @@ def saver_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
             grad_worker,
             args=(
                 world,
-                free_port(),
+                gloo_init(),
                 {n: cfgs[n] for n in names},
                 shards(samples, world),
                 str(path),

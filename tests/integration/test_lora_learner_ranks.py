@@ -38,6 +38,7 @@ from tests.integration.test_fsdp_learner import (
     shards,
     tiny_qwen2,
 )
+from tests.rendezvous import gloo_init
 
 if TYPE_CHECKING:
     from drmas.learners.trainer import Trainer
@@ -94,7 +95,7 @@ def _check_resume(trainer: Trainer, rank: int, world_size: int, folder: Path) ->
                 assert torch.equal(_local(fresh.optimizer.state[q][key]), _local(value)), key
 
 
-def lora_worker(rank: int, world_size: int, port: int, cfg, runs: dict, out: str) -> None:
+def lora_worker(rank: int, world_size: int, init: str, cfg, runs: dict, out: str) -> None:
     """Per named list of shards: a fresh Trainer's adapters before and after one step.
     After the last: the export and a checkpoint round trip."""
     torch.set_num_threads(1)
@@ -102,9 +103,7 @@ def lora_worker(rank: int, world_size: int, port: int, cfg, runs: dict, out: str
 
     from drmas.learners.trainer import Trainer
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
         results = {}
         for name, shard_list in runs.items():
@@ -125,7 +124,7 @@ def run_world(world_size: int, cfg, out: Path) -> dict:
     runs = {"mixed": shards(make_samples(), world_size), "verifier": verifier_only(world_size)}
     mp.spawn(
         lora_worker,
-        args=(world_size, free_port(), cfg, runs, str(out)),
+        args=(world_size, gloo_init(), cfg, runs, str(out)),
         nprocs=world_size,
         join=True,
     )

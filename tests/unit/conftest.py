@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from drmas.transports.ports import free_port
+from tests.rendezvous import gloo_init
 
 
 @pytest.fixture
@@ -17,9 +17,7 @@ def group() -> Iterator[None]:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
+    dist.init_process_group("gloo", init_method=gloo_init(), rank=0, world_size=1)
     try:
         yield
     finally:

@@ -28,8 +28,8 @@ from drmas.checkpoints import store
 from drmas.checkpoints.store import CheckpointError
 from drmas.checkpoints.tensors import full_tensors, layout_name, tensors_name
 from drmas.launch.evaluate import EvalError, export_checkpoint
-from drmas.transports.ports import free_port
 from tests.integration.test_fsdp_learner import MODEL, make_config, make_samples, shards, tiny_qwen2
+from tests.rendezvous import gloo_init
 
 LEARNER_FILES = [store.MANIFEST, layout_name(0), tensors_name(0)]
 
@@ -68,9 +68,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, 
 
     tmp = tmp_path_factory.mktemp("ckpt")
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
+    dist.init_process_group("gloo", init_method=gloo_init(), rank=0, world_size=1)
     try:
         cfg = make_config(tiny_qwen2(tmp / "hf"))
         trainer = Trainer(cfg, MODEL, 0, 1, "cpu")

@@ -4,7 +4,6 @@ and a learner's save/load (safetensors + JSON; one gloo rank in this process).""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from drmas.config.task import TaskConfig
 from drmas.protocol import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, GroupResult, Step, pack_group
 from drmas.tasks.source import TaskSource
+from tests.rendezvous import gloo_init
 
 
 # ---------------------------------------------------------------------- folders
@@ -202,10 +202,7 @@ def test_learner_checkpoint_restores_model_optimizer_and_rng(tmp_path: Path) -> 
     def full(t):
         return t.full_tensor() if isinstance(t, DTensor) else t
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=gloo_init(), rank=0, world_size=1)
     try:
         cfg = make_config(tiny_qwen2(tmp_path / "hf"))
         a = Trainer(cfg, MODEL, 0, 1, "cpu")
@@ -234,7 +231,7 @@ def test_learner_checkpoint_restores_model_optimizer_and_rng(tmp_path: Path) -> 
         dist.destroy_process_group()
 
 
-def _two_rank_worker(rank: int, port: int, folder: str) -> None:
+def _two_rank_worker(rank: int, init: str, folder: str) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -244,7 +241,7 @@ def _two_rank_worker(rank: int, port: int, folder: str) -> None:
     from tests.integration.test_fsdp_learner import MODEL, make_config, make_samples, shards
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         cfg = make_config(Path(folder) / "hf")
         a = Trainer(cfg, MODEL, rank, 2, "cpu")
@@ -279,10 +276,7 @@ def test_two_rank_learner_checkpoint_restores_every_shard(tmp_path: Path) -> Non
     from tests.integration.test_fsdp_learner import tiny_qwen2
 
     tiny_qwen2(tmp_path / "hf")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_two_rank_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_two_rank_worker, args=(gloo_init(), str(tmp_path)), nprocs=2, join=True)
     assert (tmp_path / "ok-0").exists() and (tmp_path / "ok-1").exists()
     manifest = store.read_manifest(tmp_path / "ckpt" / "policy" / "step-000001")
     assert manifest is not None and sorted(manifest["files"]) == [

@@ -36,7 +36,7 @@ from drmas.models.lora import (
     write_merged,
 )
 from drmas.transports.digest import digest_of
-from drmas.transports.ports import free_port
+from tests.rendezvous import gloo_init
 
 LORA = LoraConfig(rank=4)
 ADAPTERS = ["solver", "verifier"]
@@ -143,9 +143,7 @@ def checkpointed(
     cfg = lora_run_config(model_path, run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
+    dist.init_process_group("gloo", init_method=gloo_init(), rank=0, world_size=1)
     try:
         trainer = Trainer(cfg, "solver", 0, 1, "cpu")
         with torch.no_grad():

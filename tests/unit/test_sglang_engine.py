@@ -545,8 +545,11 @@ async def publish_adapters(
     model: Path,
     version: int,
     adapters: tuple[str, ...] = tuple(ADAPTERS),
+    while_paused: Callable[[], None] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """A LoRA publish as the actor's sync_weights runs it: the tensors of `adapters` only."""
+    """A LoRA publish as the actor's sync_weights runs it: the tensors of `adapters` only.
+    `while_paused` runs after the load and before the resume (a request held by the pause
+    is still in flight then)."""
     named = [
         (n, t)
         for n, t in published(peft_model(model, seed=version))
@@ -560,6 +563,8 @@ async def publish_adapters(
         await asyncio.to_thread(
             WeightReceiver().receive_into, join, lambda b: engine.load_weights(b, version)
         )
+        if while_paused is not None:
+            while_paused()
     finally:
         await engine.resume()
     await learner
@@ -599,10 +604,13 @@ def test_lora_adapters_load_per_version_and_old_ones_unload_once_unused(
             await hold_next(engine)
             inflight = asyncio.create_task(engine.generate(on("solver")))
             await fake_reached(engine, "arrived", 4)
-            v2 = await publish_adapters(engine, sender, lora_model_dir, 2)
-            assert fake_state(engine)["adapters"] == [
-                "solver-v1-1", "solver-v2-3", "verifier-v2-4"
-            ]  # fmt: skip
+            during: list[list[str]] = []  # the old solver is kept while its request runs
+
+            def loaded() -> None:
+                during.append(fake_state(engine)["adapters"])
+
+            v2 = await publish_adapters(engine, sender, lora_model_dir, 2, while_paused=loaded)
+            assert during == [["solver-v1-1", "solver-v2-3", "verifier-v2-4"]]
             old = await inflight
             assert old.version == 1
             assert old.logprobs == pytest.approx([adapter_logprob(v1, "solver")] * 4)
