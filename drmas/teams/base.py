@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from drmas.teams.layout import TeamLayout
 
 if TYPE_CHECKING:
     from drmas.config import DrmasConfig
+
+log = logging.getLogger("drmas.team")
 
 Turns = Sequence[tuple[str, str]]
 """Team context so far: (agent name, tool name or other label key, text)."""
@@ -120,6 +123,8 @@ class Team:
         self.instructions = {**self.default_instructions[cfg.prompt_style], **overrides}
         self.tool_fns: dict[str, Tool] = {**self.tools, **(tools or {})}
         self._reward = reward
+        self.warned_unpaid: set[str] = set()
+        """Agents already named in the role-reward warning (warn_unpaid_steps)."""
         self.check_tools()
 
     @classmethod
@@ -195,9 +200,29 @@ class Team:
         """`group_size` episodes of one task, run concurrently so the engines batch them."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
-        return list(
+        episodes = list(
             await asyncio.gather(*(self.run_episode(task, sampling) for _ in range(group_size)))
         )
+        if self.cfg.rewards == "role":
+            self.warn_unpaid_steps(episodes)
+        return episodes
+
+    def warn_unpaid_steps(self, episodes: Sequence[Episode]) -> None:
+        """With `workflow.rewards=role` a step without its own `Step.reward` is scored with
+        the team reward. A team of your own that never sets it would train on team rewards
+        while the config says role: say so, once per agent (a team may mean it: an agent
+        that shares the team reward beside role-paid ones)."""
+        unpaid = {s.agent for e in episodes for s in e.steps if s.reward is None}
+        for agent in sorted(unpaid - self.warned_unpaid):
+            self.warned_unpaid.add(agent)
+            log.warning(
+                "workflow.rewards=role, but the %s team left Step.reward unset on a step of "
+                "agent %r: its steps are scored with the team reward. Fine if %r is meant "
+                "to share it; otherwise set step.reward in run_episode (docs/own-team.md)",
+                self.name,
+                agent,
+                agent,
+            )
 
     async def run_episode(self, task: Task, sampling: SamplingParams) -> Episode:
         raise NotImplementedError

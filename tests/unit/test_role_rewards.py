@@ -295,3 +295,33 @@ def test_role_rewards_and_a_replaced_reward_are_refused(team: str) -> None:
     team_cls = MathTeam if team == "math" else SearchTeam
     with pytest.raises(ValueError, match=r"keep workflow\.rewards=team"):
         team_cls.check_settings(both.workflow)
+
+
+def test_a_team_that_sets_no_step_reward_under_role_rewards_is_named_once_per_agent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """TieTeam (a plug-in team) pays only the episode: with workflow.rewards=role its steps
+    fall back to the team reward, and the user is told so, once per agent, not per group."""
+    from tests.fixtures.tie_team import TieTeam
+
+    def team(mode: RewardKind) -> TieTeam:
+        tok = CharTokenizer()
+        engine = ScriptedEngine({"solver": [R] * 4, "verifier": [YES] * 4}, tok, _math_agent)
+        return TieTeam(
+            WorkflowConfig(rewards=mode),
+            {"solver": "m", "verifier": "m"},
+            cast(dict[str, Engine], {"m": engine}),
+            {"m": tok},
+        )
+
+    with caplog.at_level("WARNING", logger="drmas.team"):
+        asyncio.run(team("team").run_group(MATH_TASK, SAMPLING, 2))
+        assert caplog.records == []  # team rewards: nothing to say
+        role = team("role")
+        for _ in range(2):
+            episodes = asyncio.run(role.run_group(MATH_TASK, SAMPLING, 2))
+    assert all(s.reward is None for e in episodes for s in e.steps)  # nothing was invented
+    named = [r.getMessage() for r in caplog.records]
+    assert len(named) == 2, named
+    assert "agent 'solver'" in named[0] and "agent 'verifier'" in named[1]
+    assert all("tie_team team left Step.reward unset" in m for m in named)
