@@ -1,23 +1,29 @@
 """`python -m drmas.launch.slurm -m role=learner|actor ...`: drmas roles as Slurm jobs.
 
 Hydra's submitit launcher (pip install 'drmas[slurm]') turns each sweep value into a job
-and a sweep over `index` into a job array; configs/slurm/launch.yaml holds the job's
-resources. Each job loads the run's resolved config (written by `drmas prepare`) and runs
-one role against the broker at its explicit address:
+and a sweep over `index` into a job array; configs/slurm/launch.yaml and the role's file
+in configs/slurm/role/ hold the job's resources (partition, GPUs, CPUs, time). Each job
+loads the run's resolved config (written by `drmas prepare`) and runs one role against the
+broker at its explicit address:
 
   learner: one job per model, `tasks_per_node` x `nodes` tasks = the model's world size;
            every task reads its rank and the rendezvous from Slurm's environment and
-           starts like any learner rank (drmas/learners/entry.py).
-  actor:   one array element per actor, id actor-<index>.
+           starts like any learner rank (drmas/learners/entry.py, as `drmas learner`).
+  actor:   one array element per actor, id actor-<index>-<host>.
 
-The broker is not a Slurm job: it runs on the head node whose address the config names.
-Talks to: the broker (as the role it runs), nothing else.
+The submitting command waits for its jobs and exits non-zero when one failed (submitit
+reads each job's result), so start one per learner group and per actor array in the
+background. The broker is not a Slurm job: it runs on the head node whose address the
+config names. Talks to: the broker (as the role it runs), nothing else.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,21 +33,24 @@ if TYPE_CHECKING:
 ROLES = ("learner", "actor")
 
 
-def torch_distributed_env(environ: dict[str, str]) -> dict[str, str]:
+def torch_distributed_env(environ: dict[str, str], master_port: int = 0) -> dict[str, str]:
     """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT of a Slurm task (srun sets
-    SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_JOB_NODELIST, SLURM_JOB_ID)."""
+    SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_JOB_NODELIST, SLURM_JOB_ID).
+
+    The port is chosen as `drmas learner` chooses it: MASTER_PORT if set, else
+    `master_port` (learner.master_port) if not 0. Otherwise every task of the job derives
+    the same one from the job id: tasks cannot agree on a free port without talking."""
     missing = [
         k for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST") if k not in environ
     ]
     if missing:
         raise RuntimeError(f"not inside a Slurm task: {missing} unset; submit with -m (multirun)")
-    first = _first_host(environ["SLURM_JOB_NODELIST"])
-    port = 20000 + int(environ.get("SLURM_JOB_ID", "0")) % 20000  # same for every task
+    port = master_port or 20000 + int(environ.get("SLURM_JOB_ID", "0")) % 20000
     return {
         "RANK": environ["SLURM_PROCID"],
         "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
         "WORLD_SIZE": environ["SLURM_NTASKS"],
-        "MASTER_ADDR": first,
+        "MASTER_ADDR": _first_host(environ["SLURM_JOB_NODELIST"]),
         "MASTER_PORT": environ.get("MASTER_PORT", str(port)),
     }
 
@@ -56,8 +65,19 @@ def _first_host(nodelist: str) -> str:
     return prefix + first
 
 
+def task_threads(environ: dict[str, str]) -> dict[str, str]:
+    """DRMAS_TORCH_THREADS for this task: the CPUs Slurm gave it (SLURM_CPUS_PER_TASK), unless
+    the user set the variable. Unlike a role started by hand, a Slurm task knows its share
+    of the node, and torch's default (every core) would oversubscribe a shared node."""
+    cpus = environ.get("SLURM_CPUS_PER_TASK", "").strip()
+    if "DRMAS_TORCH_THREADS" in environ or not cpus.isdigit() or int(cpus) < 1:
+        return {}
+    return {"DRMAS_TORCH_THREADS": cpus}
+
+
 def run_role(job: Any) -> None:
-    """Run one role as this Slurm task (the body of each submitted job)."""
+    """Run one role as this Slurm task (the body of each submitted job). A role that ends
+    with a failure raises, so Slurm and the submitting command see the job fail."""
     from drmas.config import ConfigError, load_config
 
     if job.role not in ROLES:
@@ -69,13 +89,17 @@ def run_role(job: Any) -> None:
         raise ConfigError(
             f"run_config={str(run_config)!r} not found: write it with `drmas prepare`"
         )
-    cfg = load_config(list(job.overrides), str(run_config))
+    client = [f"security.client_name={job.client}"] if job.client else []
+    cfg = load_config([*client, *job.overrides], str(run_config))
+    os.environ.update(task_threads(dict(os.environ)))
     if job.role == "learner":
         learner_task(cfg, job.model)
         return
     from drmas.actors.main import run_actor
 
-    run_actor(cfg, f"actor-{job.index}-{socket.gethostname()}")
+    code = run_actor(cfg, f"actor-{job.index}-{socket.gethostname()}")
+    if code != 0:
+        raise RuntimeError(f"actor-{job.index} stopped with exit code {code} (see its log)")
 
 
 def learner_task(cfg: DrmasConfig, model: str) -> None:
@@ -85,7 +109,7 @@ def learner_task(cfg: DrmasConfig, model: str) -> None:
 
     if model not in cfg.models:
         raise ConfigError(f"model={model!r} is not one of the run's models {sorted(cfg.models)}")
-    env = torch_distributed_env(dict(os.environ))
+    env = torch_distributed_env(dict(os.environ), cfg.learner.master_port)
     if int(env["WORLD_SIZE"]) != cfg.world_size_of(model):
         raise ConfigError(
             f"this job has {env['WORLD_SIZE']} tasks but model {model!r} has "
@@ -95,9 +119,26 @@ def learner_task(cfg: DrmasConfig, model: str) -> None:
     os.environ.update(env)
     from drmas.learners.entry import run
 
-    # `run`, not `start`: submitit writes the job's result once this function returns,
-    # which start's os._exit would skip (the sweep would then report the job as failed)
+    # `run`, then leave as `drmas learner` does (entry.start's os._exit(0)), but only once
+    # submitit has written the job's result: it does so after this function returns
     run(cfg, model)
+    atexit.register(_leave_once_the_result_is_written)
+
+
+def _leave_once_the_result_is_written() -> None:
+    """At interpreter exit of a finished learner task: os._exit(0) as entry.start does, so
+    torch's C++ teardown cannot abort a finished rank (a joinable gloo thread once did, exit
+    -6), which Slurm would record as a failed job. Only when submitit wrote a successful
+    result: otherwise the normal exit keeps its status."""
+    if "SUBMITIT_FOLDER" not in os.environ:  # not inside a submitit job
+        return
+    import submitit
+
+    if submitit.JobEnvironment().paths.result_pickle.exists():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def main() -> None:

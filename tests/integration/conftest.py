@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
+from tests.integration.slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Small, fast settings shared by the end-to-end runs (2 CPU cores in CI).

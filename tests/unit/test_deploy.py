@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from drmas.config import ConfigError, load_config
-from drmas.launch.slurm import _first_host, torch_distributed_env
+from drmas.launch.slurm import _first_host, task_threads, torch_distributed_env
 from drmas.transports.weights import advertised_host
 
 
@@ -63,6 +63,29 @@ def test_learner_task_reads_its_rank_from_slurm() -> None:
     }
     with pytest.raises(RuntimeError, match="not inside a Slurm task"):
         torch_distributed_env({})
+
+
+def test_slurm_learner_port_is_chosen_as_drmas_learner_chooses_it() -> None:
+    task = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1",
+            "SLURM_JOB_ID": "41"}  # fmt: skip
+    assert torch_distributed_env(task)["MASTER_PORT"] == "20041"  # every task derives it
+    assert torch_distributed_env(task, master_port=29500)["MASTER_PORT"] == "29500"
+    assert torch_distributed_env({**task, "MASTER_PORT": "1234"}, 29500)["MASTER_PORT"] == "1234"
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({"SLURM_CPUS_PER_TASK": "4"}, {"DRMAS_TORCH_THREADS": "4"}),
+        ({"SLURM_CPUS_PER_TASK": "4", "DRMAS_TORCH_THREADS": "2"}, {}),  # the user's choice
+        ({}, {}),  # no --cpus-per-task: keep drmas's default
+        ({"SLURM_CPUS_PER_TASK": "0"}, {}),
+    ],
+)
+def test_a_slurm_task_takes_the_cpus_slurm_gave_it(
+    environ: dict[str, str], expected: dict[str, str]
+) -> None:
+    assert task_threads(environ) == expected
 
 
 @pytest.mark.skipif(
