@@ -2,6 +2,7 @@
 
     drmas train   [overrides]                 everything on this machine
     drmas prepare [overrides]                 resolve models, write RUN_DIR/config.yaml only
+    drmas plan    [overrides] [--gpu-gib G]   the placement and its memory budget, no models needed
     drmas broker  [overrides] [--config F]    the coordinator (one per run)
     drmas actor   [overrides] [--config F]    a rollout actor; attach more at any time
     drmas learner --model M [overrides]       one learner rank (under torchrun for R > 1)
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from drmas.launch.commands import TOOLS, Command, Run, setup_logging
+from drmas.launch.plan import plan_arguments
 
 if TYPE_CHECKING:
     from drmas.config import DrmasConfig
@@ -124,6 +126,12 @@ def _prepare(args: argparse.Namespace, cfg: DrmasConfig) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace, cfg: DrmasConfig) -> int:
+    from drmas.launch.plan import run_plan
+
+    return run_plan(args, cfg)
+
+
 def _probe(args: argparse.Namespace, cfg: DrmasConfig) -> int:
     from drmas.launch.probe import run_probe
 
@@ -179,6 +187,14 @@ ROLES: tuple[Command, ...] = (
         "build/resolve models and write RUN_DIR/config.yaml for per-role launches",
         _role_arguments,
         _configured(_prepare),
+        config_docs=True,
+    ),
+    Command(
+        "plan",
+        "print where each process would go and its memory budget, from the config alone "
+        "(the models need not be downloaded)",
+        plan_arguments,
+        _configured(_plan),
         config_docs=True,
     ),
     Command(

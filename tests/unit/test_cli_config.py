@@ -80,7 +80,7 @@ def test_the_command_table_matches_the_documented_commands() -> None:
     import drmas.launch.cli as cli_module
 
     names = [c.name for c in cli_module.COMMANDS]
-    assert names == ["train", "prepare", "broker", "actor", "learner", "retriever", "probe",
+    assert names == ["train", "prepare", "plan", "broker", "actor", "learner", "retriever", "probe",
                      "eval", "show", "config", "status", "keys", "data", "report"]  # fmt: skip
     documented = {line.split()[1] for line in (cli_module.__doc__ or "").splitlines()
                   if line.startswith("    drmas ")}  # fmt: skip
