@@ -111,7 +111,7 @@ SchedulerType=sched/backfill
 MpiDefault=none
 ReturnToService=2
 SlurmdParameters=config_overrides
-KillWait=10
+KillWait=30
 MinJobAge=600
 $gres_types
 NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem $gres_node State=UNKNOWN

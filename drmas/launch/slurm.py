@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -117,6 +118,9 @@ def learner_task(cfg: DrmasConfig, model: str) -> None:
             "and nodes so that nodes x tasks_per_node equals it"
         )
     os.environ.update(env)
+    # submitit set SIGTERM to be logged and ignored; `drmas learner` keeps Python's default
+    # (a cancelled or preempted rank ends at once, as under torchrun or `drmas train`)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     from drmas.learners.entry import run
 
     # `run`, then leave as `drmas learner` does (entry.start's os._exit(0)), but only once

@@ -19,6 +19,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ CPUS = 16
 MEM_MB = 128 * 1024
 GPUS = 8
 START_TIMEOUT_S = 60
+SMALL_JOB = ["hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1"]
+"""What the tests add to docs/deploy.md's commands: jobs that fit the test node's 16 CPUs
+(1 CPU per task also gives each role 1 torch thread on the 2-core CI runner)."""
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY")
 
 
@@ -82,6 +86,42 @@ class SlurmCluster:
             f"--- {log.name}:\n{log.read_text(errors='replace')[-3000:]}"
             for log in sorted((self.dir / "log").glob("*.log"))
         )
+
+
+def submit(cluster: SlurmCluster, logs: Path, *args: str, out: Path) -> subprocess.Popen[bytes]:
+    """`python -m drmas.launch.slurm -m ARGS` in the background, as docs/deploy.md runs it;
+    it waits for its jobs and exits 0 once each returned. Job logs go under `logs`."""
+    env = {
+        **cluster.env,
+        "PYTHONUNBUFFERED": "1",
+        "DRMAS_SLURM_LOGS": str(logs),
+        "DRMAS_VENV": str(Path(sys.executable).parents[1]),
+    }
+    with out.open("w") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "drmas.launch.slurm", "-m", *args],
+            cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+
+def wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Wait until every process ended, or one failed (no point waiting for the rest)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes) or any(c for c in codes):
+            return
+        time.sleep(1)
+    raise TimeoutError(f"submitting commands still waiting after {timeout}s")
+
+
+def job_logs(logs: Path, tail: int | None = None) -> str:
+    """Every job's submitit logs (stdout and stderr of each task), each cut to its last
+    `tail` characters if given."""
+    return "\n".join(
+        f"--- {p.relative_to(logs)}:\n{p.read_text(errors='replace')[-(tail or 0) :]}"
+        for p in sorted(logs.rglob("*.out")) + sorted(logs.rglob("*.err"))
+    )
 
 
 def _fields(line: str) -> dict[str, str]:

@@ -15,14 +15,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from drmas.transports.ports import free_port
 from tests.integration.conftest import REPO, drmas, read_metrics, read_summary
-from tests.integration.slurm_cluster import SlurmCluster
+from tests.integration.slurm_cluster import SMALL_JOB, SlurmCluster, job_logs, submit, wait_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -39,44 +38,8 @@ SHORT = [
     "broker.heartbeat_timeout_s=20",
     "weights.timeout_s=30",
 ]
-SMALL_JOB = ["hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1"]
 ACTORS = 2
 WAIT_S = 600
-
-
-def submit(cluster: SlurmCluster, logs: Path, *args: str, out: Path) -> subprocess.Popen[bytes]:
-    """`python -m drmas.launch.slurm -m ARGS` in the background, as docs/deploy.md runs it;
-    it waits for its jobs and exits 0 once each returned."""
-    env = {
-        **cluster.env,
-        "PYTHONUNBUFFERED": "1",
-        "DRMAS_SLURM_LOGS": str(logs),
-        "DRMAS_VENV": str(Path(sys.executable).parents[1]),
-    }
-    with out.open("w") as f:
-        return subprocess.Popen(
-            [sys.executable, "-m", "drmas.launch.slurm", "-m", *args, *SMALL_JOB],
-            cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-
-
-def wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
-    """Wait until every process ended, or one failed (no point waiting for the rest)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes) or any(c for c in codes):
-            return
-        time.sleep(1)
-    raise TimeoutError(f"submitting commands still waiting after {timeout}s")
-
-
-def job_logs(logs: Path) -> str:
-    """Every job's submitit log (stdout and stderr of each task), for a failing test."""
-    return "\n".join(
-        f"--- {p.relative_to(logs)}:\n{p.read_text(errors='replace')[-2500:]}"
-        for p in sorted(logs.rglob("*.out")) + sorted(logs.rglob("*.err"))
-    )
 
 
 def test_documented_slurm_flow_trains_and_every_job_completes(
@@ -101,10 +64,10 @@ def test_documented_slurm_flow_trains_and_every_job_completes(
         )  # fmt: skip
     submitters = [
         submit(slurm_cluster, logs, "role=learner", f"model={model}", config,
-               "hydra.launcher.tasks_per_node=2", out=tmp_path / f"submit-{model}.log")
+               "hydra.launcher.tasks_per_node=2", *SMALL_JOB, out=tmp_path / f"submit-{model}.log")
         for model in ("solver", "verifier")
     ] + [
-        submit(slurm_cluster, logs, "role=actor", f"index=range({ACTORS})", config,
+        submit(slurm_cluster, logs, "role=actor", f"index=range({ACTORS})", config, *SMALL_JOB,
                out=tmp_path / "submit-actors.log")
     ]  # fmt: skip
     try:
@@ -118,7 +81,7 @@ def test_documented_slurm_flow_trains_and_every_job_completes(
                 proc.wait(30)
         for log in sorted(tmp_path.glob("*.log")):
             print(f"--- {log.name}:\n{log.read_text(errors='replace')[-3000:]}")
-        print(job_logs(logs))
+        print(job_logs(logs, tail=2500))
         print(slurm_cluster.logs())
     assert [p.returncode for p in submitters] == [0, 0, 0]
     assert broker.returncode == 0

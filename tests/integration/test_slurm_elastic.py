@@ -1,0 +1,142 @@
+"""Elastic actors and an actor's cancellation under a real Slurm (docs/deploy.md, "Elastic
+actors"): the run of test_slurm_flow with one learner rank per model and one actor; once
+both models are past version 1, one more actor is submitted (`role=actor index=1`, an
+array of one). It attaches, gets the current weights and returns accepted groups. Then
+the first actor's job is `scancel`-ed: Slurm's SIGTERM makes it say Goodbye with its
+unfinished leases, the late actor finishes the run, and broker_summary.json shows nothing
+lost or trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from drmas.transports.ports import free_port
+from tests.integration.conftest import REPO, drmas, read_summary
+from tests.integration.slurm_cluster import SMALL_JOB, SlurmCluster, job_logs, submit, wait_all
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+# The late actor takes 20-30 s to start on a loaded machine and the run must still be going
+# when it returns groups: the sim engine's decode sleeps (0.02 s a token, about 1 s a turn)
+# make 30 steps last about a minute without loading the CPU.
+STEPS = 30
+SHORT = [
+    f"train.steps={STEPS}",
+    "actor.engine.name=sim",
+    "actor.engine.sim_token_latency_s=0.02",
+    "group_size=4",
+    "batch_groups=2",
+    "val.every=0",
+    "actor.max_groups=2",
+    "models.solver.warmstart.steps=60",
+    "models.verifier.warmstart.steps=60",
+    "broker.heartbeat_timeout_s=20",
+    "weights.timeout_s=30",
+]
+MODELS = ("solver", "verifier")
+
+
+def status(run_dir: Path) -> dict[str, Any]:
+    out = drmas("status", str(run_dir), "--json", "--client", "observer", "--timeout", "10",
+                timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return dict(json.loads(out.stdout))
+
+
+def actor(run_dir: Path, actor_id: str) -> dict[str, Any]:
+    return {a["client_id"]: a for a in status(run_dir)["actors"]}.get(actor_id, {})
+
+
+def wait_until(pred: Any, timeout: float, what: str, broker: subprocess.Popen[bytes]) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert broker.poll() is None, f"the broker ended (code {broker.returncode}) before: {what}"
+        if value := pred():
+            return value
+        time.sleep(2)
+    raise TimeoutError(what)
+
+
+def test_an_actor_added_mid_run_trains_and_a_cancelled_one_hands_back(
+    tmp_path: Path, model_cache: Path, slurm_cluster: SlurmCluster
+) -> None:
+    run_dir, logs = tmp_path / "run", tmp_path / "slurm-logs"
+    keys = run_dir / "keys"
+    address = {"DRMAS_BROKER_ADDRESS": f"tcp://127.0.0.1:{free_port()}"}
+    made = drmas("keys", str(keys), "--clients", "actors,learners,observer", timeout=120)
+    assert made.returncode == 0, made.stderr
+    prep = drmas(
+        "prepare", "deploy=slurm", f"run.dir={run_dir}", f"security.keys_dir={keys}", *SHORT,
+        f"run.cache_dir={model_cache}", env=address,
+    )  # fmt: skip
+    assert prep.returncode == 0, prep.stderr[-3000:]
+    config = f"run_config={run_dir / 'config.yaml'}"
+    with (tmp_path / "broker.log").open("w") as f:
+        broker = subprocess.Popen(
+            [sys.executable, "-m", "drmas.launch.cli", "broker", "--config",
+             str(run_dir / "config.yaml")],
+            cwd=REPO, env={**os.environ, **address}, stdout=f, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    submitters = {
+        model: submit(slurm_cluster, logs, "role=learner", f"model={model}", config, *SMALL_JOB,
+                      out=tmp_path / f"submit-{model}.log")
+        for model in MODELS
+    }  # fmt: skip
+    submitters["first"] = submit(slurm_cluster, logs, "role=actor", "index=0", config,
+                                 *SMALL_JOB, out=tmp_path / "submit-first.log")  # fmt: skip
+    first, late = "actor-0-" + os.uname().nodename, "actor-1-" + os.uname().nodename
+    try:
+        wait_until(
+            lambda: all(status(run_dir)["models"][m]["version"] >= 1 for m in MODELS),
+            300, "the run never reached version 1", broker,
+        )  # fmt: skip
+        (first_job,) = [
+            j["JobId"] for j in slurm_cluster.jobs_logging_to(logs) if j["JobName"] == "drmas-actor"
+        ]
+        submitters["late"] = submit(slurm_cluster, logs, "role=actor", "index=1", config,
+                                    *SMALL_JOB, out=tmp_path / "submit-late.log")  # fmt: skip
+        worked = wait_until(
+            lambda: (a := actor(run_dir, late)) and a["groups_done"] > 0 and a,
+            240, "the late actor never returned an accepted group", broker,
+        )  # fmt: skip
+        assert all(worked["versions"][m] >= 1 for m in MODELS), worked  # synced first
+        cancelled = slurm_cluster.run("scancel", first_job)
+        assert cancelled.returncode == 0, cancelled.stderr
+        wait_until(lambda: not actor(run_dir, first), 60, "the broker still lists it", broker)
+        wait_all([submitters[m] for m in (*MODELS, "late")], 420)
+        broker.wait(120)
+        jobs = slurm_cluster.wait_ended(logs, 4, timeout=60)
+    finally:
+        for proc in [*submitters.values(), broker]:
+            if proc.poll() is None:  # the cancelled actor's submitter may wait forever
+                proc.kill()
+                proc.wait(30)
+        for log in sorted(tmp_path.glob("*.log")):
+            print(f"--- {log.name}:\n{log.read_text(errors='replace')[-3000:]}")
+        print(job_logs(logs, tail=2500))
+    assert [submitters[m].returncode for m in (*MODELS, "late")] == [0, 0, 0]
+    assert broker.returncode == 0
+    states = {j["JobId"]: j["JobState"] for j in jobs}
+    assert states.pop(first_job) == "CANCELLED"
+    assert sorted(states.values()) == ["COMPLETED"] * 3
+
+    summary = read_summary(run_dir)
+    c = summary["counters"]
+    assert summary["done"] is True
+    assert summary["leases"]["balanced"] == 1, summary["leases"]
+    assert summary["leases"]["outstanding"] == 0, summary["leases"]
+    assert c.get("groups_trained_twice", 0) == 0
+    assert summary["trained_groups"] == {m: STEPS * 2 for m in MODELS}
+    assert c["actors_joined"] == 2 and c["actors_synced_on_attach"] == 1, c
+    assert c["actors_left"] >= 1 and c.get("actors_lost", 0) == 0, c  # it said Goodbye
+    broker_log = (tmp_path / "broker.log").read_text()
+    assert f"actor {first} removed (left)" in broker_log
