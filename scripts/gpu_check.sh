@@ -25,8 +25,8 @@ BUDGET_S=480 # the whole GPU-machine run, install included
 PLATFORM=(--only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
   --platform manylinux2014_x86_64 --python-version 3.12 --implementation cp)
 # tests/gpu in order of what matters most if the budget runs out
-CHECKS=(tests/gpu/test_gpu_colocated.py tests/gpu/test_gpu_paths.py tests/gpu/test_gpu_probe.py
-  tests/gpu/test_gpu_lora.py tests/gpu/test_gpu_search.py tests/gpu/test_gpu_sglang.py
+CHECKS=(tests/gpu/test_gpu_colocated.py tests/gpu/test_gpu_learner.py tests/gpu/test_gpu_probe.py
+  tests/gpu/test_gpu_lora.py tests/gpu/test_gpu_search.py tests/gpu/test_gpu_paths.py tests/gpu/test_gpu_sglang.py
   tests/gpu/test_gpu_vllm.py)
 
 prepare() {

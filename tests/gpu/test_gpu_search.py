@@ -3,7 +3,8 @@ scripts/gpu_check.sh.
 
 Everything of the paper's config that runs without downloads: its workflow (chat prompt
 style is swapped for plain, since the tiny builtin models have no chat template), vLLM
-actors when vllm is installed (else the hf engine, on CUDA), an HTTP retriever (`drmas
+actors when vllm is installed (else the hf engine, on CUDA, as on the GPU machine this
+project gets), an HTTP retriever (`drmas
 retriever` serving bm25 over the generated knowledge-base corpus, started here), bf16
 learners on CUDA. The three 3B models become warm-started tiny search models and the
 NQ/HotpotQA files the synthetic kb task. Checked: the run finishes, every batch trained
@@ -33,6 +34,7 @@ from tests.integration.conftest import (
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.timeout(300),
 ]
 
 AGENTS = ("verifier", "searcher", "answerer")
@@ -82,7 +84,7 @@ def test_search_experiment_on_gpu_with_http_retriever(tmp_path: Path) -> None:
             "val.k=2",
             f"run.dir={run_dir}",
             f"run.cache_dir={cache}",
-            timeout=900,
+            timeout=270,
         )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     finally:
