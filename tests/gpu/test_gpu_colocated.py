@@ -60,6 +60,8 @@ def test_learner_and_engine_share_one_gpu(tmp_path: Path) -> None:
     summary = read_summary(run_dir)
     c = summary["counters"]
     assert summary["trained_groups"]["policy"] == STEPS * 8
+    # the engine holds bf16 like the published copies: every load's digest is compared
+    assert c["weight_digest_match"] == c["weight_loads"] > 0
     assert c.get("weight_digest_mismatch", 0) == 0
     steps = [x for x in read_metrics(run_dir) if "is_weight/policy" in x]
     assert len(steps) == STEPS
