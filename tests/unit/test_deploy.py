@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +134,29 @@ def test_slurm_learner_task_refuses_a_job_that_does_not_fit_the_model(
     with pytest.raises(ConfigError, match=message):
         learner_task(load_config([]), model)
     assert "RANK" not in os.environ  # refused before the rank's environment was set
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("submitit") is None,
+    reason="submitit not installed (pip install 'drmas[slurm]')",
+)
+@pytest.mark.parametrize(("result_written", "code"), [(True, 0), (False, 3)])
+def test_a_finished_slurm_learner_leaves_as_drmas_learner_does(
+    tmp_path: Path, result_written: bool, code: int
+) -> None:
+    """Once submitit has written the job's result, the task leaves with os._exit(0) at
+    interpreter exit (torch's teardown cannot turn it into a failed job); without a result
+    the exit status is the interpreter's own (here 3)."""
+    if result_written:
+        (tmp_path / "7_0_result.pkl").write_bytes(b"")
+    script = (
+        "import atexit, sys\n"
+        "from drmas.launch.slurm import _leave_once_the_result_is_written\n"
+        "atexit.register(_leave_once_the_result_is_written)\n"
+        "sys.exit(3)\n"
+    )
+    env = {**os.environ, "SUBMITIT_FOLDER": str(tmp_path), "SUBMITIT_EXECUTOR": "slurm",
+           "SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+           "SLURM_JOB_NODELIST": "n1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", script], env=env, timeout=120)
+    assert out.returncode == code
