@@ -11,7 +11,7 @@
 # written. After `start`, `source DIR/env` points sinfo/sbatch/squeue at this cluster
 # (SLURM_CONF). It installs nothing: on Debian/Ubuntu `apt-get install slurm-wlm munge`.
 #
-# The cluster: one node (this machine, NodeAddr 127.0.0.1) in two partitions standing in for
+# The cluster: one node (this machine, named localhost) in two partitions standing in for
 # GPU and CPU nodes, `learners` (the default) and `actors`; no cgroups
 # (proctrack/linuxproc, task/none), no accounting database (finished jobs are written to
 # DIR/jobcomp.txt by jobcomp/filetxt). Settings, all optional:
@@ -62,7 +62,9 @@ alive() {  # alive PIDFILE: the process the pid file names still runs
 
 write_config() {
   local node cpus mem gpus port user
-  node=$(hostname -s)
+  # the node is called localhost, a name every machine resolves (a job's first host is its
+  # learners' MASTER_ADDR); the controller must be called by this machine's own name
+  node=localhost
   cpus=${DRMAS_SLURM_CPUS:-$(nproc)}
   # default 90% of the machine's memory, in MB: a job's --mem must fit into it
   mem=${DRMAS_SLURM_MEM_MB:-$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)}
@@ -85,7 +87,7 @@ write_config() {
   cat > "$SLURM_CONF" << EOF
 # Written by scripts/slurm_cluster.sh: a one-node test cluster, everything under $dir
 ClusterName=drmastest
-SlurmctldHost=$node(127.0.0.1)
+SlurmctldHost=$(hostname -s)(127.0.0.1)
 SlurmctldPort=$port
 SlurmdPort=$((port + 1))
 SlurmUser=$user
@@ -159,7 +161,7 @@ start() {
   start_munge
   # -i: ignore state left by an earlier run in this folder (a fresh cluster every start)
   slurmctld -i -f "$SLURM_CONF"
-  slurmd -f "$SLURM_CONF" -N "$(hostname -s)"
+  slurmd -f "$SLURM_CONF" -N localhost
   if ! wait_idle; then
     stop
     exit 1
