@@ -11,9 +11,10 @@ broker at its explicit address:
            starts like any learner rank (drmas/learners/entry.py, as `drmas learner`).
   actor:   one array element per actor, id actor-<index>-<host>.
 
-The submitting command waits for its jobs and exits non-zero when one failed (submitit
-reads each job's result), so start one per learner group and per actor array in the
-background. The broker is not a Slurm job: it runs on the head node whose address the
+The submitting command waits for its jobs and exits non-zero when one failed or ended
+without a result, naming it (submitit reads each job's result; drmas/launch/slurm_jobs.py
+asks the controller for jobs that ended without one), so start one per learner group and
+per actor array in the background. The broker is not a Slurm job: it runs on the head node whose address the
 config names. Talks to: the broker (as the role it runs), nothing else.
 """
 
@@ -149,6 +150,9 @@ def main() -> None:
     import hydra
 
     from drmas.config import config_dir
+    from drmas.launch import slurm_jobs
+
+    slurm_jobs.install()  # a job that ends without a result is reported, even without sacct
 
     app = hydra.main(
         config_path=str(config_dir() / "slurm"), config_name="launch", version_base="1.3"

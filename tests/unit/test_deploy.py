@@ -160,3 +160,20 @@ def test_a_finished_slurm_learner_leaves_as_drmas_learner_does(
            "SLURM_JOB_NODELIST": "n1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}  # fmt: skip
     out = subprocess.run([sys.executable, "-c", script], env=env, timeout=120)
     assert out.returncode == code
+
+
+def test_the_controller_names_each_job_as_submitit_does() -> None:
+    from drmas.launch.slurm_jobs import parse_jobs
+
+    text = (
+        "JobId=7 ArrayJobId=7 ArrayTaskId=0 JobName=drmas-actor JobState=CANCELLED "
+        "Reason=None NodeList=n1\n"
+        "JobId=8 ArrayJobId=7 ArrayTaskId=1 JobName=drmas-actor JobState=RUNNING NodeList=n1\n"
+        "JobId=9 ArrayJobId=9 ArrayTaskId=0-1%2 JobState=PENDING NodeList=(null)\n"
+        "JobId=12 JobName=wrap JobState=COMPLETED NodeList=n2\n"
+    )
+    assert parse_jobs(text) == {
+        "7_0": {"JobID": "7_0", "State": "CANCELLED", "NodeList": "n1"},
+        "7_1": {"JobID": "7_1", "State": "RUNNING", "NodeList": "n1"},
+        "12": {"JobID": "12", "State": "COMPLETED", "NodeList": "n2"},
+    }  # the pending range names no single element: not ended, left out

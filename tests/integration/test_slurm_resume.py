@@ -1,0 +1,149 @@
+"""A learner job cancelled under a real Slurm, then the run resubmitted with run.resume
+(docs/deploy.md, "Elastic actors and cancelled jobs"). Once the solver is past version 4
+(checkpoints every 2 steps), its learner job is `scancel`-ed: its submitting command
+stops with an error naming the job and its state, although this cluster has no
+accounting (`sacct` fails; drmas/launch/slurm_jobs.py asks the controller). The rest of the
+run is stopped (the other jobs cancelled, the broker sent SIGTERM), and every role is
+submitted again with `run.resume=RUN_DIR`: the solver resumes from a checkpoint and the
+run trains to its last step, every job of the second run COMPLETED.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from drmas.transports.ports import free_port
+from tests.integration.conftest import REPO, drmas, read_metrics
+from tests.integration.slurm_cluster import SMALL_JOB, SlurmCluster, job_logs, submit, wait_all
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+# the sim engine's decode sleeps pace the run (about 1.5 s a step) so that the cancel
+# lands mid-run without loading the CPU
+STEPS = 16
+SHORT = [
+    f"train.steps={STEPS}",
+    "actor.engine.name=sim",
+    "actor.engine.sim_token_latency_s=0.02",
+    "checkpoint.every=2",
+    "group_size=4",
+    "batch_groups=2",
+    "val.every=0",
+    "models.solver.warmstart.steps=60",
+    "models.verifier.warmstart.steps=60",
+    "broker.heartbeat_timeout_s=20",
+    "weights.timeout_s=30",
+]
+MODELS = ("solver", "verifier")
+
+
+def status(run_dir: Path) -> dict[str, Any]:
+    out = drmas("status", str(run_dir), "--json", "--client", "observer", "--timeout", "10",
+                timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return dict(json.loads(out.stdout))
+
+
+def start_broker(run_dir: Path, log: Path, address: dict[str, str], *extra: str) -> Any:
+    with log.open("w") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "drmas.launch.cli", "broker", "--config",
+             str(run_dir / "config.yaml"), *extra],
+            cwd=REPO, env={**os.environ, **address}, stdout=f, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+
+def submit_run(
+    cluster: SlurmCluster, run_dir: Path, logs: Path, out: Path, *extra: str
+) -> dict[str, subprocess.Popen[bytes]]:
+    """Each model's learner group and one actor, as docs/deploy.md submits them."""
+    config = f"run_config={run_dir / 'config.yaml'}"
+    procs = {
+        m: submit(cluster, logs, "role=learner", f"model={m}", config, *SMALL_JOB, *extra,
+                  out=out / f"submit-{m}.log")
+        for m in MODELS
+    }  # fmt: skip
+    procs["actor"] = submit(cluster, logs, "role=actor", "index=0", config, *SMALL_JOB, *extra,
+                            out=out / "submit-actor.log")  # fmt: skip
+    return procs
+
+
+def stop(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_a_cancelled_learner_job_is_named_and_the_run_resumes(
+    tmp_path: Path, model_cache: Path, slurm_cluster: SlurmCluster
+) -> None:
+    run_dir, logs, logs2 = tmp_path / "run", tmp_path / "slurm-logs", tmp_path / "slurm-logs-2"
+    keys = run_dir / "keys"
+    address = {"DRMAS_BROKER_ADDRESS": f"tcp://127.0.0.1:{free_port()}"}
+    made = drmas("keys", str(keys), "--clients", "actors,learners,observer", timeout=120)
+    assert made.returncode == 0, made.stderr
+    prep = drmas(
+        "prepare", "deploy=slurm", f"run.dir={run_dir}", f"security.keys_dir={keys}", *SHORT,
+        f"run.cache_dir={model_cache}", env=address,
+    )  # fmt: skip
+    assert prep.returncode == 0, prep.stderr[-3000:]
+    broker = start_broker(run_dir, tmp_path / "broker.log", address)
+    first = submit_run(slurm_cluster, run_dir, logs, tmp_path)
+    second: dict[str, subprocess.Popen[bytes]] = {}
+    resumed = None
+    try:
+        deadline = time.monotonic() + 300
+        while status(run_dir)["models"]["solver"]["version"] < 4:
+            assert time.monotonic() < deadline, "the solver never reached version 4"
+            assert broker.poll() is None, "the broker ended early"
+            time.sleep(2)
+        (solver_job,) = [
+            j["JobId"]
+            for j in slurm_cluster.jobs_logging_to(logs)
+            if "learnersolver" in j["StdOut"]
+        ]
+        assert slurm_cluster.run("scancel", solver_job).returncode == 0
+        first["solver"].wait(180)  # the controller says CANCELLED: it stops, naming the job
+        said = (tmp_path / "submit-solver.log").read_text()
+        assert first["solver"].returncode != 0
+        assert f"Job {solver_job}" in said and "CANCELLED" in said, said[-3000:]
+        # stop the rest of the run, as docs/deploy.md says
+        for job in slurm_cluster.jobs_logging_to(logs):
+            slurm_cluster.run("scancel", job["JobId"])
+        broker.send_signal(signal.SIGTERM)
+        assert broker.wait(60) == 0
+        slurm_cluster.wait_ended(logs, 3, timeout=120)
+        stop(list(first.values()))
+
+        resume = f"run.resume={run_dir}"
+        resumed = start_broker(run_dir, tmp_path / "broker-2.log", address, resume)
+        (tmp_path / "second").mkdir()
+        second = submit_run(slurm_cluster, run_dir, logs2, tmp_path / "second",
+                            f"overrides=[\"{resume}\"]")  # fmt: skip
+        wait_all(list(second.values()), 420)
+        assert resumed.wait(120) == 0
+        jobs = slurm_cluster.wait_ended(logs2, 3, timeout=60)
+    finally:
+        stop([*first.values(), *second.values(), broker, *([resumed] if resumed else [])])
+        for log in sorted(tmp_path.rglob("*.log")):
+            if log.parent in (tmp_path, tmp_path / "second"):
+                print(
+                    f"--- {log.relative_to(tmp_path)}:\n{log.read_text(errors='replace')[-3000:]}"
+                )
+        print(job_logs(logs2, tail=2500))
+    assert [p.returncode for p in second.values()] == [0, 0, 0]
+    assert sorted(j["JobState"] for j in jobs) == ["COMPLETED"] * 3
+    steps = [x["step"] for x in read_metrics(run_dir) if "val/tasks" not in x]
+    assert steps[-1] == STEPS and steps == sorted(set(steps)), steps  # went on, none twice
+    text = job_logs(logs2)
+    assert "Traceback" not in text
