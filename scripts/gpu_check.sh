@@ -17,7 +17,8 @@
 #                                         they happen, so a stopped run still leaves them
 #   bash scripts/gpu_check.sh --dry-run   anywhere (CI): plans the colocated check, checks
 #                                         the prepared wheel set, imports drmas the way the
-#                                         GPU machine will, collects tests/gpu
+#                                         GPU machine will, collects tests/gpu, type-checks
+#                                         drmas against torch 2.11's sources
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -56,6 +57,30 @@ prepare() {
   echo "with the run tool: command 'bash scripts/gpu_check.sh \$OUT/gpu_check', carry ['.whl'], timeout_s 560"
 }
 
+torch_api() {
+  # drmas type-checked against torch 2.11's own Python sources and stubs, the GPU machine's
+  # torch: no 2.11 CPU build is reachable (PyPI's x86_64 2.11 is the CUDA build, about
+  # 2.6 GiB with its nvidia libraries), but the Python files are the same in every wheel,
+  # and the macOS one is 77 MiB. It catches a removed or changed API, not a behaviour.
+  local py=$1
+  "$py" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+    --platform macosx_11_0_arm64 --python-version 3.11 --implementation cp -d "$work/torch" \
+    torch==2.11.0 2> "$work/pip.log" || { cat "$work/pip.log"; exit 1; }
+  "$py" -c "import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('torch/') and n.endswith(('.py', '.pyi', 'py.typed'))])" \
+    "$work"/torch/torch-2.11.0-*.whl "$work/torch211"
+  MYPYPATH="$work/torch211" "$py" -m mypy --no-warn-unused-ignores --cache-dir .mypy_cache/torch-2.11 \
+    drmas > "$work/mypy.txt" 2>&1 || true
+  grep -q "^$work/torch211/torch/" "$work/mypy.txt" \
+    || { tail -n 5 "$work/mypy.txt"; echo "FAILED torch 2.11 API: mypy did not read torch 2.11"; exit 1; }
+  if grep "^drmas/" "$work/mypy.txt"; then
+    echo "FAILED torch 2.11 API: drmas uses what torch 2.11 lacks (above)"
+    exit 1
+  fi
+  echo "PASSED torch 2.11 API: drmas type-checks against torch 2.11.0's sources"
+}
+
 dry_run() {
   local py=${PYTHON:-.venv/bin/python} site overrides
   work=$(mktemp -d)
@@ -77,6 +102,7 @@ print('\n'.join(colocated_overrides('hf')))")
     || { echo "FAILED plan: expected one shared GPU and gloo weights"; exit 1; }
   PYTHONPATH="$repo" "$py" -m pytest "${CHECKS[@]}" -m gpu -q --collect-only -p no:cacheprovider "$@" \
     | tail -n 1
+  torch_api "$py"
   echo "dry run: nothing ran on a GPU"
 }
 
@@ -107,6 +133,6 @@ gpu_run() {
 case "${1:-}" in
   --prepare) prepare ;;
   --dry-run) shift && dry_run "$@" ;;
-  "" | -*) sed -n '7,19p' "$0" >&2 && exit 2 ;;
+  "" | -*) sed -n '7,20p' "$0" >&2 && exit 2 ;;
   *) gpu_run "$@" ;;
 esac
