@@ -138,8 +138,10 @@ def _leave_once_the_result_is_written() -> None:
     if "SUBMITIT_FOLDER" not in os.environ:  # not inside a submitit job
         return
     import submitit
+    from submitit.core.utils import pickle_load
 
-    if submitit.JobEnvironment().paths.result_pickle.exists():
+    result = submitit.JobEnvironment().paths.result_pickle
+    if result.exists() and pickle_load(result)[0] == "success":
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -140,15 +140,17 @@ def test_slurm_learner_task_refuses_a_job_that_does_not_fit_the_model(
     importlib.util.find_spec("submitit") is None,
     reason="submitit not installed (pip install 'drmas[slurm]')",
 )
-@pytest.mark.parametrize(("result_written", "code"), [(True, 0), (False, 3)])
+@pytest.mark.parametrize(("outcome", "code"), [("success", 0), ("error", 3), (None, 3)])
 def test_a_finished_slurm_learner_leaves_as_drmas_learner_does(
-    tmp_path: Path, result_written: bool, code: int
+    tmp_path: Path, outcome: str | None, code: int
 ) -> None:
-    """Once submitit has written the job's result, the task leaves with os._exit(0) at
-    interpreter exit (torch's teardown cannot turn it into a failed job); without a result
-    the exit status is the interpreter's own (here 3)."""
-    if result_written:
-        (tmp_path / "7_0_result.pkl").write_bytes(b"")
+    """Once submitit has written a successful result, the task leaves with os._exit(0) at
+    interpreter exit (torch's teardown cannot turn it into a failed job); with an error
+    result or none the exit status is the interpreter's own (here 3)."""
+    if outcome is not None:
+        from submitit.core.utils import cloudpickle_dump
+
+        cloudpickle_dump((outcome, None), tmp_path / "7_0_result.pkl")
     script = (
         "import atexit, sys\n"
         "from drmas.launch.slurm import _leave_once_the_result_is_written\n"
