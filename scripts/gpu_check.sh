@@ -118,6 +118,8 @@ gpu_run() {
   export PYTHONPATH="$repo:$site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
   export DRMAS_GPU_OUT="$out" # tests/gpu/conftest.py appends a line per check to summary.txt
   "$py" scripts/gpu_wheels.py versions | tee "$out/versions.txt"
+  "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+    || { echo "FAILED: torch sees no CUDA GPU here, so every check would only skip"; exit 1; }
   : > "$out/summary.txt"
   set +e
   timeout --kill-after=15 "$((BUDGET_S - SECONDS))" "$py" -m pytest "${CHECKS[@]}" -m gpu -v -s -rA \

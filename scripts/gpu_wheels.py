@@ -38,8 +38,9 @@ IMAGE = REPO / "scripts" / "gpu_image.txt"
 LIMIT_MIB = 60
 DOCUMENTED = {"torch", "transformers", "peft", "safetensors", "msgpack", "scipy", "matplotlib"}
 """What the image's documentation names; the rest of drmas's dependencies are resolved here."""
-TEST_RUNNER = ("pytest", "pytest-timeout")
-"""From pyproject's dev extra: tests/gpu runs under pytest, and pyproject sets a timeout."""
+TEST_RUNNER = ("pytest", "pytest-timeout", "bm25s")
+"""From pyproject's dev extra: tests/gpu runs under pytest with per-check timeouts, and the
+search check serves bm25 over HTTP (`drmas retriever`, the search extra's bm25s)."""
 HEDGE = {"rich", "markdown-it-py", "mdurl", "pygments", "psutil"}
 """In the image only as dependencies of its packages (typer, peft), so not certain: carried
 (about 2 MiB); pip there installs them only where the image lacks them."""
