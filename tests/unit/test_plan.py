@@ -139,4 +139,9 @@ def test_plan_command_prints_a_recipe_without_its_models(
         assert f"learner {model} rank 0: GPU {gpu}" in out.stdout
         assert f"`hf download {load_config(recipe).models[model].path} config.json`" in out.stdout
     assert f"may use {share} of the GPU" in out.stdout
+    actors = 8 - len(models)  # the recipe's own num_actors: the rest of the node's GPUs
+    assert load_config(recipe).actor.num_actors == actors  # not deploy=local's default
+    for gpu in range(len(models), 8):
+        assert f"  GPU {gpu}:\n    actor-{gpu - len(models)} vllm" in out.stdout
+    assert f"actor-{actors} " not in out.stdout
     assert not list(tmp_path.iterdir())  # nothing was downloaded into the cache
