@@ -68,7 +68,7 @@ def wait_until(pred: Any, timeout: float, what: str, broker: subprocess.Popen[by
     raise TimeoutError(what)
 
 
-def test_an_actor_added_mid_run_trains_and_a_cancelled_one_hands_back(
+def test_an_actor_added_mid_run_trains_and_a_preempted_one_hands_back(
     tmp_path: Path, model_cache: Path, slurm_cluster: SlurmCluster
 ) -> None:
     run_dir, logs = tmp_path / "run", tmp_path / "slurm-logs"
