@@ -13,7 +13,9 @@ share one cap; an IPv4-mapped IPv6 address is its IPv4 host. Connections not ove
 With CURVE the key of a connection is known from its first message (its ZAP User-Id):
 the broker's intake (drmas/broker/intake.py) asks `admit_key` for each new connection
 and drops the ones beyond `max_per_key` (OBSERVER_KEY_CONNECTIONS for a key that may only
-observe). `shut` is how the intake drops a peer.
+observe). `shut` is how the intake drops a peer. Each TCP connection it admits, and each
+one gone, it also reports to the intake's WireWatch (drmas/broker/wire_watch.py), which
+bounds the bytes libzmq holds for a connection before the broker can read them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import socket
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
+
+from drmas.broker.wire_watch import WireWatch
 
 log = logging.getLogger("drmas.broker")
 
@@ -64,6 +68,7 @@ class ConnectionCap:
         self.fd_key: dict[int, str] = {}  # fd -> CURVE key (z85), once a message told it
         self.per_key: collections.Counter[str] = collections.Counter()
         self.refused = 0
+        self.watch: WireWatch | None = None  # told of each TCP connection (intake sets it)
 
     def poll(self) -> None:
         """Handle the monitor events waiting now (non-blocking)."""
@@ -76,6 +81,8 @@ class ConnectionCap:
                 self._gone(fd)
 
     def _gone(self, fd: int) -> None:
+        if self.watch is not None:
+            self.watch.gone(fd)
         host = self.open.pop(fd, None)
         if host is not None:
             self.per_host[host] -= 1
@@ -113,6 +120,8 @@ class ConnectionCap:
                 return
         self.open[fd] = host
         self.per_host[host] += 1
+        if self.watch is not None:
+            self.watch.accepted(fd)
 
     def admit_key(self, fd: int, frame: zmq.Frame) -> bool:
         """A message arrived on connection `fd`: False if its CURVE key holds too many
@@ -144,3 +153,5 @@ class ConnectionCap:
 
     def close(self) -> None:
         self.monitor.close(linger=0)
+        if self.watch is not None:
+            self.watch.close()

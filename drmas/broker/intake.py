@@ -20,10 +20,12 @@ its connection is shut (drmas/broker/connections.py) and its identity banned for
 back-off that doubles on each drop (1 s up to 5 min); what it sends meanwhile is discarded
 unread and shuts its connection again.
 
-What is left: libzmq hands over a multipart message only once all its parts arrived and
-keeps each part (64 bytes for an empty one) until it is read; that, and the ~2 µs per
-part it costs to discard, is what a many-part message still costs. Dropping the peer
-stops it repeating.
+libzmq hands over a multipart message only once all its parts arrived and keeps each
+part (64 bytes for an empty one) until then: the WireWatch created here
+(drmas/broker/wire_watch.py) shuts a connection that makes libzmq hold more than its
+`allowance` unread (`dropped/unread_flood`), crediting it with each message `read` takes
+from it. What such a message still costs is bounded by that allowance (about 1.5 MB
+before Hello) and the ~2 µs per part it costs to discard one that fits.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 import zmq
 
 from drmas.broker.connections import ConnectionCap
+from drmas.broker.wire_watch import SLACK, WireWatch
 
 _NOBLOCK = int(zmq.NOBLOCK)
 STRIKES = 8
@@ -116,6 +119,8 @@ class Intake:
         self.sock, self.limits, self.connections = sock, limits, connections
         self.counters, self.role_of = counters, role_of
         self.peers: dict[bytes, _Peer] = {}
+        self.watch = WireWatch(self.allowance, self.flood, _trim)
+        connections.watch = self.watch
         self.banned: dict[bytes, tuple[float, float]] = {}  # identity -> (until, ban length)
         self._status_total, self._status_at = STATUS_TOTAL_PER_S, time.monotonic()
 
@@ -127,15 +132,19 @@ class Intake:
         identity = head.bytes
         payload = recv(_NOBLOCK, copy=False) if head.more else None
         extra = 0
+        nbytes = 0 if payload is None else len(payload)
         if payload is not None and payload.more:
             part = payload
-            while part.more:  # dropped as read: only a count is kept
+            while part.more:  # dropped as read: only a count and a length are kept
                 part = recv(_NOBLOCK, copy=False)
                 extra += 1
+                nbytes += len(part)
             if extra > TRIM_AFTER_PARTS:
                 _trim()  # libzmq freed them; without this glibc keeps the pages
         now = time.monotonic()
-        peer = self._peer(identity, now, head)
+        fd = head.get(zmq.SRCFD)
+        self.watch.read(fd, identity, nbytes, extra + 1)
+        peer = self._peer(identity, now, head, fd)
         ban = self.banned.get(identity)
         if ban is not None and now < ban[0]:
             return self._banned(identity, peer)
@@ -199,6 +208,23 @@ class Intake:
         if peer is not None and peer.fd >= 0:
             self.connections.shut(peer.fd)
 
+    def allowance(self, identity: bytes) -> int:
+        """Bytes libzmq may hold unread for a connection whose messages named `identity`
+        (b"": none yet): twice the largest message its sender may send, plus SLACK
+        (drmas/broker/wire_watch.py)."""
+        role = self.role_of(identity.decode("utf-8", errors="replace")) if identity else None
+        largest = {"actor": self.limits.group, "learner": self.limits.control}
+        return SLACK + 2 * largest.get(role or "", self.limits.hello)
+
+    def flood(self, fd: int, identity: bytes) -> None:
+        """Connection `fd` holds more unread than its allowance: shut it, and drop and ban
+        the identity its messages named (if any)."""
+        if identity:
+            self.drop(identity, "unread_flood")
+        else:
+            self.counters["dropped/unread_flood"] += 1
+        self.connections.shut(fd)
+
     def tick(self, now: float) -> None:
         """Forget peers idle for a minute and bans that ended (called every ~0.5 s)."""
         for identity in [i for i, p in self.peers.items() if now - p.seen > 60.0]:
@@ -207,7 +233,7 @@ class Intake:
             del self.banned[identity]  # a ban that ended long ago: the back-off restarts
 
     # ------------------------------------------------------------------ helpers
-    def _peer(self, identity: bytes, now: float, head: zmq.Frame) -> _Peer:
+    def _peer(self, identity: bytes, now: float, head: zmq.Frame, fd: int) -> _Peer:
         peer = self.peers.get(identity)
         if peer is None:
             if len(self.peers) >= MAX_PEERS:
@@ -215,7 +241,6 @@ class Intake:
                 del self.peers[oldest]
             start = 2.0 * max(self.limits.hello, self.limits.bytes_per_s)  # a full budget
             peer = self.peers[identity] = _Peer(now, start)
-        fd = head.get(zmq.SRCFD)
         if fd != peer.fd:
             peer.fd = fd
             if not self.connections.admit_key(fd, head):

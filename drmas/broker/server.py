@@ -9,9 +9,11 @@ sender's role bound at Hello, its CURVE key's role, every field, the run's limit
 it touches state; this loop only routes what the gate admits to BrokerState and sends the
 replies. A refused frame gets an ErrorReply (when the sender can be answered), is counted
 under `refused/<code>`, and the loop goes on. Anything unforeseen is refused as
-`internal` by a last-resort handler. The loop polls with a 100 ms timeout so liveness
-checks never stall, and caps open connections per host, in all and per CURVE key
-(drmas/broker/connections.py).
+`internal` by a last-resort handler. The loop polls with a 100 ms timeout (10 ms while
+TCP connections are open) so liveness checks never stall, caps open connections per
+host, in all and per CURVE key (drmas/broker/connections.py), and shuts a connection
+that makes libzmq hold more than it may send before the broker can read it, such as one
+message of millions of parts (drmas/broker/wire_watch.py).
 
 Measures its own CPU time per message type (drmas/broker/cpu.py).
 Writes: RUN_DIR/metrics.jsonl and the trackers of `logger` (drmas/broker/trackers.py),
@@ -170,13 +172,15 @@ class BrokerServer:
         deadline = time.monotonic() + max_seconds if max_seconds else None
         last_reap = 0.0
         try:
+            watch = self.intake.watch
             while not self._stop:
-                if self.sock.poll(100):
+                if self.sock.poll(watch.poll_ms):
                     self.drain()
                 self.connections.poll()
                 if self.connections.refused:
                     self.state.counters["connections_refused"] = self.connections.refused
                 now = time.monotonic()
+                watch.check(now)
                 if now - last_reap > 0.5:
                     started = time.thread_time()
                     self.state.reap(now)
@@ -184,8 +188,9 @@ class BrokerServer:
                     self.flush_samples()
                     self.cpu.add("reap", time.thread_time() - started)
                     last_reap = now
-                if self.state.done and not self._shutdown_sent:
-                    self.broadcast_shutdown("training finished")
+                stop = "training finished" if self.state.done else self.state.learners.lost
+                if stop and not self._shutdown_sent:
+                    self.broadcast_shutdown(stop)  # a lost learner: drmas/broker/seats.py
                 if self._shutdown_sent and not self.state.active_learners(now):
                     break  # every learner said Goodbye (or has been gone for long)
                 if deadline and now > deadline:
@@ -246,6 +251,7 @@ class BrokerServer:
                 "trained_groups": {m: len(g) for m, g in self.state.trained_groups.items()},
                 "leases": lease_accounting(self.state),
                 "done": self.state.done,
+                "learner_lost": self.state.learners.lost,  # why the run stopped early, or ""
                 "cpu": self.cpu.summary(time.monotonic()),
             }
             (self.run_dir / "broker_summary.json").write_text(json.dumps(summary, indent=2))
@@ -381,7 +387,7 @@ class BrokerServer:
                 st.hand_back(cid, msg.lease_ids)
             case Goodbye():
                 if cid in st.learners:
-                    del st.learners[cid]
+                    st.learners.leave(cid, msg.reason, now)  # mid-run: stops the run
                 else:
                     st.hand_back(cid, msg.lease_ids)
                     st.drop_actor(cid, "left")
@@ -393,7 +399,7 @@ class BrokerServer:
         if msg.role == "actor":
             st.add_actor(cid, msg.host, msg.pid, msg.models, now)
         elif msg.role == "learner":
-            st.add_learner(cid, msg.models[0], msg.rank, msg.world_size, now)
+            st.add_learner(cid, msg.models[0], msg.rank, msg.world_size, now, msg.host, msg.pid)
         self.send(
             cid,
             Welcome(

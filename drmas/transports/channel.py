@@ -9,9 +9,11 @@ Socket semantics, written where the sockets are made:
   messages per peer wait to be read. MAXMSGSIZE (the largest GroupResult the run can
   make) drops oversized frames before they are read. linger=0 on close.
 - Client: one DEALER with a unique identity (its client id), connected to the broker;
-  a late joiner simply connects and says Hello. Requests are retried by the caller;
-  every receive has an explicit timeout. Messages the broker sends unsolicited
-  (JoinWeightGroup, Shutdown) that arrive while waiting for a reply are kept in `inbox`.
+  a late joiner simply connects and says Hello. While the broker's port refuses it, it
+  tries again after 100 ms, doubling up to 2 s (RECONNECT_MS). Requests are retried by
+  the caller; every receive has an explicit timeout. Messages the broker sends
+  unsolicited (JoinWeightGroup, Shutdown) that arrive while waiting for a reply are kept
+  in `inbox`.
 
 Security of the broker socket (keys in drmas/transports/security.py; what every other
 connection exposes, and the firewall recipe, in docs/security.md):
@@ -61,6 +63,12 @@ RECV_QUEUE = 1000
 
 SEND_TIMEOUT_S = 10.0
 """Longest a send may wait for room in the queue to the broker."""
+RECONNECT_MS = (100, 2000)
+"""A client's first and longest wait before it tries to connect again (doubling in
+between) while the broker's port refuses it. libzmq 4.3 restarts the wait at the first
+after a connection that was accepted and then dropped, so a client the broker shuts
+right after accepting it still tries every 100-200 ms; the broker keeps each such
+connection cheap (drmas/broker/connections.py, intake.py)."""
 
 
 class BrokerUnavailable(TimeoutError):
@@ -143,6 +151,8 @@ class BrokerClient:
         self.sock.setsockopt(zmq.RCVHWM, 10_000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS[0])
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MS[1])
         # a send blocks only while the queue to the broker is full (10_000 frames): never
         # longer than this, then BrokerUnavailable
         self.sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))

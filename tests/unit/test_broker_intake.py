@@ -58,11 +58,13 @@ def decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_extra_parts_are_discarded_counted_and_a_repeat_drops_the_peer(
     server: BrokerServer,
 ) -> None:
-    """The issue's attack in small: 100,000 empty parts before any Hello. Refused as
-    too_many_parts (worth STRIKES / 2 strikes); the second such message drops the peer,
-    unanswered, and what it sends while banned is discarded unread."""
+    """10,000 empty parts before any Hello (20 KB, within what the unread-bytes watch lets
+    a connection send before Hello; larger ones are shut before they arrive:
+    tests/unit/test_wire_watch.py). Refused as too_many_parts (worth STRIKES / 2 strikes);
+    the second such message drops the peer, unanswered, and what it sends while banned is
+    discarded unread."""
     evil, ops = Peer(server, "evil"), Peer(server, "ops")
-    parts = [b""] * 100_000
+    parts = [b""] * 10_000
     evil.sock.send_multipart([*parts, b"end"])
     assert refused(evil.next(), "too_many_parts")
     evil.sock.send_multipart([*parts, b"end"])
@@ -150,6 +152,9 @@ class FakeSock:
 class FakeFrame:
     def __init__(self, data: bytes, more: bool) -> None:
         self.bytes, self.buffer, self.more = data, memoryview(data), more
+
+    def __len__(self) -> int:
+        return len(self.bytes)
 
     def get(self, option: Any) -> Any:
         return 7 if option == zmq.SRCFD else None

@@ -1,0 +1,256 @@
+"""The broker's watch on bytes a connection sent that the broker has not read: the one
+bound on what libzmq holds for a peer before the broker can see it.
+
+libzmq assembles a multipart message in full before it hands the broker its first part,
+and its receive queue counts whole messages only: a peer that sends one message of
+millions of empty parts makes libzmq keep about 64 bytes per 2-byte part (32 times what
+it sent) while the broker can read nothing of it. No libzmq option bounds that, so the
+broker measures it from the kernel's side:
+
+- ConnectionCap (drmas/broker/connections.py) reports each TCP connection the ROUTER
+  accepts (`accepted`) and each one that is gone (`gone`, which also clears the entry, so a
+  reused file descriptor starts afresh).
+- The intake (drmas/broker/intake.py) credits every message it reads to the connection it
+  came from (`read`: the frame's SRCFD, its bytes plus PART_OVERHEAD per part, which is at
+  least ZeroMQ's frame header, with CURVE its box too) and names the sender's identity.
+- The broker loop (server.py) calls `check` each pass (it wakes every SCAN_S while
+  connections are open). Every FULL_S, or at once when the broker's resident memory grew
+  by RSS_TRIGGER since the last such scan (a flood shows there first), it reads each
+  connection's `tcpi_bytes_received` (Linux TCP_INFO) and the bytes still in the kernel's
+  receive queue (FIONREAD). What libzmq took in and the broker has not read is
+  received - queued - credited. A connection over its allowance is scanned again after
+  FOLLOW_S. Over it at two scans in a row, with no message read from it in between (so
+  it is not a queue of complete messages the broker reads next), it is shut down
+  (SHUT_RDWR: libzmq's own descriptor is never closed), counted `dropped/unread_flood`,
+  and the identity its messages named (if any) dropped and banned like the intake's
+  other drops; freed heap goes back to the OS once libzmq reports the connection gone.
+
+The allowance is SLACK plus twice the largest message the connection's sender may send:
+before its Hello and as an observer `broker.max_hello_bytes`, a learner
+`broker.max_control_bytes`, an actor the largest GroupResult of the run. At 32 bytes held
+per byte sent, a connection can so make libzmq hold about 32 x (16 KiB + 32 KiB) = 1.5 MB
+before its Hello, about 66 MB as an admitted learner, and about 64 times its largest
+group as an admitted actor (1.3 GB at a 21 MB group; 16 GB at the 256 MB ceiling of
+`broker.max_message_bytes`): a key admitted as an actor is trusted that far. On top, a
+flood grows for about SCAN_S + FOLLOW_S before it is shut (libzmq assembled about 800 MB
+of empty parts a second on the 2-core machine of docs/results.md#hostile-clients).
+
+Off, with one log line, where TCP_INFO is not available (not Linux); connections not over
+TCP (ipc://, inproc://) are never reported by ConnectionCap, so they are not watched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import logging
+import os
+import socket
+import struct
+import termios
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("drmas.broker")
+
+SCAN_S = 0.02
+"""How often the broker's memory is looked at while connections are open (the loop wakes
+this often)."""
+RSS_TRIGGER = 8 * 1024 * 1024
+"""Growth of the broker's memory since the last full scan that starts one at once."""
+FULL_S = 0.25
+"""Longest time between two scans of every connection."""
+FOLLOW_S = 0.005
+"""Time to the next scan of a connection a scan found over its allowance."""
+SCAN_SHARE = 0.02
+"""Share of the loop's time full scans may take: with many connections they space out."""
+PART_OVERHEAD = 64
+"""Bytes credited per part read beyond its payload: ZeroMQ's frame header is 2 or 9 bytes
+and a CURVE box adds 33, so a read part is never under-credited (the credit is clamped
+to what the connection sent at every scan, so the surplus cannot accumulate)."""
+SLACK = 16 * 1024
+"""Unread bytes any connection may have beyond twice its largest message: the ZMTP or
+CURVE handshake and what arrived since the last read."""
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_BYTES_RECEIVED = 128
+"""Offset of tcpi_bytes_received (u64) in Linux's struct tcp_info."""
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _getsockopt() -> Callable[..., int] | None:
+    """libc's getsockopt, called on libzmq's descriptor as it is: no duplicate, no Python
+    socket object that could close it (None where there is no TCP_INFO or no libc)."""
+    if _TCP_INFO is None:
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).getsockopt
+    except (OSError, AttributeError):
+        return None
+
+
+_GETSOCKOPT = _getsockopt()
+_INFO = ctypes.create_string_buffer(256)
+_INFO_LEN = ctypes.c_uint32(256)
+
+
+class _Conn:
+    __slots__ = ("credited", "identity", "messages", "over_at", "received", "scanned")
+
+    def __init__(self) -> None:
+        self.credited = 0  # bytes of the messages read from it, with PART_OVERHEAD per part
+        self.received = 0  # tcpi_bytes_received at the last scan
+        self.messages = 0  # messages read from it
+        self.over_at = -1  # `messages` when a scan last found it over its allowance
+        self.scanned = 0  # `messages` at the last scan
+        self.identity = b""
+
+
+def bytes_received(fd: int) -> int:
+    """tcpi_bytes_received of TCP socket `fd`, a descriptor libzmq owns (read, never
+    closed). Raises OSError when it is not a TCP socket (any more)."""
+    assert _GETSOCKOPT is not None and _TCP_INFO is not None
+    _INFO_LEN.value = ctypes.sizeof(_INFO)
+    if _GETSOCKOPT(fd, socket.IPPROTO_TCP, _TCP_INFO, _INFO, ctypes.byref(_INFO_LEN)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"TCP_INFO of descriptor {fd}: {os.strerror(errno)}")
+    if _INFO_LEN.value < _BYTES_RECEIVED + 8:
+        raise OSError(f"tcp_info of {_INFO_LEN.value} bytes has no tcpi_bytes_received")
+    return int(struct.unpack_from("Q", _INFO, _BYTES_RECEIVED)[0])
+
+
+def bytes_queued(fd: int) -> int:
+    """Bytes in the kernel's receive queue of `fd`, which libzmq has not taken in yet."""
+    buf = bytearray(4)
+    fcntl.ioctl(fd, termios.FIONREAD, buf)
+    return int(struct.unpack("i", buf)[0])
+
+
+class WireWatch:
+    """`allowance(identity)` is the allowance of a connection whose messages named
+    `identity` (b"" before any); `flood(fd, identity)` drops a connection over it."""
+
+    def __init__(
+        self,
+        allowance: Callable[[bytes], int],
+        flood: Callable[[int, bytes], None],
+        trim: Callable[[], None],
+    ) -> None:
+        self.allowance, self.flood, self.trim = allowance, flood, trim
+        self.conns: dict[int, _Conn] = {}
+        self.shut: set[int] = set()  # connections shut for a flood, until libzmq says gone
+        self.floods = 0
+        self.enabled = _GETSOCKOPT is not None
+        if not self.enabled:
+            log.warning(
+                "no TCP_INFO on this platform: the broker does not watch unread bytes per "
+                "connection, so one many-part message can make libzmq hold memory"
+            )
+        self._statm = -1
+        if self.enabled:
+            with contextlib.suppress(OSError):
+                self._statm = os.open("/proc/self/statm", os.O_RDONLY)
+        self._rss = self._rss_now()  # at the last full scan
+        self._next_check = self._next_full = 0.0
+        self._trim_due = False
+        self.suspects: set[int] = set()  # over their allowance at the last scan
+
+    @property
+    def poll_ms(self) -> int:
+        """How long the broker loop may wait for a message before the next `check`."""
+        if not self.conns:
+            return 100
+        return max(1, round(1000 * (FOLLOW_S if self.suspects else SCAN_S)))
+
+    def accepted(self, fd: int) -> None:
+        if self.enabled:
+            self.conns[fd] = _Conn()  # a reused descriptor starts afresh
+
+    def gone(self, fd: int) -> None:
+        self.conns.pop(fd, None)
+        self.suspects.discard(fd)
+        if fd in self.shut:
+            self.shut.discard(fd)
+            self._trim_due = True  # libzmq frees the partial message with the pipe
+
+    def read(self, fd: int, identity: bytes, nbytes: int, parts: int) -> None:
+        """A message of `parts` parts and `nbytes` payload bytes read from `fd`."""
+        conn = self.conns.get(fd)
+        if conn is not None:
+            conn.credited += nbytes + PART_OVERHEAD * parts
+            conn.messages += 1
+            conn.identity = identity
+
+    def check(self, now: float) -> None:
+        """Scan what is due (see the module docstring): every connection each FULL_S or
+        once the broker's memory grew by RSS_TRIGGER, the suspects after FOLLOW_S."""
+        if self._trim_due:
+            self._trim_due = False
+            self.trim()
+        if not self.conns or now < self._next_check:
+            return
+        self._next_check = now + (FOLLOW_S if self.suspects else SCAN_S)
+        rss = self._rss_now()
+        if rss - self._rss >= RSS_TRIGGER or now >= self._next_full:
+            started = time.perf_counter()
+            self._scan(list(self.conns))
+            self._rss = rss
+            cost = time.perf_counter() - started
+            self._next_full = now + max(FULL_S, cost / SCAN_SHARE)
+        elif self.suspects:
+            self._scan(list(self.suspects))
+
+    def close(self) -> None:
+        if self._statm >= 0:
+            os.close(self._statm)
+            self._statm = -1
+
+    def _rss_now(self) -> int:
+        """The broker's resident memory in bytes (0 where it cannot be read)."""
+        try:
+            return int(os.pread(self._statm, 64, 0).split()[1]) * _PAGE
+        except (OSError, IndexError, ValueError):
+            return 0
+
+    def _scan(self, fds: list[int]) -> None:
+        for fd in fds:
+            self.suspects.discard(fd)
+            conn = self.conns.get(fd)
+            if conn is None or fd in self.shut or not self._over(fd, conn):
+                continue
+            self.shut.add(fd)
+            self.floods += 1
+            if self.floods == 1 or self.floods % 100 == 0:
+                log.warning(
+                    "connection %d (%r) holds more unread bytes than it may send: shut "
+                    "(%d so far)", fd, conn.identity[:64], self.floods,
+                )  # fmt: skip
+            self.flood(fd, conn.identity)
+
+    def _over(self, fd: int, conn: _Conn) -> bool:
+        """True if `conn` is over its allowance now and was at the last scan, with no
+        message read from it since."""
+        try:
+            received = bytes_received(fd)
+        except OSError:
+            return False  # gone already: the monitor will say so
+        if received < conn.received:  # a new connection on a reused descriptor
+            conn.credited, conn.messages, conn.over_at, conn.identity = 0, 0, -1, b""
+            conn.scanned = 0
+        conn.received = received
+        allowance = self.allowance(conn.identity)
+        if received - conn.credited > allowance or conn.messages != conn.scanned:
+            # over it, or credited since the last scan: exactly, and with no surplus credit
+            # carried over (an idle connection costs one system call, not two)
+            with contextlib.suppress(OSError):
+                received -= bytes_queued(fd)  # not taken in by libzmq yet
+            conn.credited = min(conn.credited, received)
+            conn.scanned = conn.messages
+        if received - conn.credited <= allowance:
+            conn.over_at = -1
+            return False
+        if conn.over_at == conn.messages:
+            return True
+        conn.over_at = conn.messages
+        self.suspects.add(fd)
+        return False

@@ -1,0 +1,192 @@
+"""The broker's unread-bytes watch (drmas/broker/wire_watch.py): its bookkeeping on fake
+TCP_INFO numbers (exact counts, by hand), and on a real broker socket the issue's attack in
+small: one message of a million empty parts before any Hello gets its connection shut
+while an honest peer is still answered."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+import drmas.broker.wire_watch as ww
+from drmas.broker.server import BrokerServer
+from drmas.broker.wire_watch import PART_OVERHEAD, WireWatch
+from drmas.protocol.messages import StatusReply, StatusRequest
+from tests.fixtures.broker_server import broker_server
+from tests.unit.test_broker_gate import Peer
+
+ALLOWANCE = 1000
+
+
+class Kernel:
+    """What TCP_INFO and FIONREAD say per descriptor, set by the test."""
+
+    def __init__(self) -> None:
+        self.received: dict[int, int] = {}
+        self.queued: dict[int, int] = {}
+
+
+@pytest.fixture
+def kernel(monkeypatch: pytest.MonkeyPatch) -> Kernel:
+    k = Kernel()
+    monkeypatch.setattr(ww, "bytes_received", lambda fd: k.received[fd])
+    monkeypatch.setattr(ww, "bytes_queued", lambda fd: k.queued.get(fd, 0))
+    return k
+
+
+class Watched:
+    """A WireWatch with a fixed allowance, recording its floods and trims; `scan` runs one
+    scan (each a second later than the last, so one is always due)."""
+
+    def __init__(self) -> None:
+        self.floods: list[tuple[int, bytes]] = []
+        self.trims = 0
+        self.watch = WireWatch(lambda identity: ALLOWANCE, self._flood, self._trim)
+        self.watch.enabled = True
+        self.now = 0.0
+
+    def _flood(self, fd: int, identity: bytes) -> None:
+        self.floods.append((fd, identity))
+
+    def _trim(self) -> None:
+        self.trims += 1
+
+    def scan(self) -> list[tuple[int, bytes]]:
+        self.now += 1.0
+        self.watch.check(self.now)
+        return self.floods
+
+
+def test_a_connection_over_its_allowance_at_two_scans_without_a_read_is_shut(
+    kernel: Kernel,
+) -> None:
+    """Handshake 100 bytes; a 500-byte message read (credit 500 + PART_OVERHEAD = 564,
+    clamped to the 600 received); then 2,000 bytes arrive that the broker never reads:
+    unread 2,000 > 1,000 at the first scan (a suspect), at the second too with no read in
+    between: shut, with the identity its message named."""
+    w = Watched()
+    w.watch.accepted(5)
+    kernel.received[5] = 100
+    assert w.scan() == []
+    w.watch.read(5, b"a", 500, 1)
+    assert w.watch.conns[5].credited == 500 + PART_OVERHEAD
+    kernel.received[5] = 600
+    assert w.scan() == [] and w.watch.conns[5].credited == 564  # 36 unread: the handshake
+    kernel.received[5] = 2600
+    assert w.scan() == [] and w.watch.poll_ms == round(1000 * ww.FOLLOW_S)
+    assert w.scan() == [(5, b"a")]
+    assert w.scan() == [(5, b"a")]  # shut once, not again while libzmq closes it
+    w.watch.gone(5)
+    assert w.trims == 0
+    w.scan()
+    assert w.trims == 1 and 5 not in w.watch.conns  # heap handed back once it is gone
+
+
+def test_a_queue_of_complete_messages_being_read_is_not_a_flood(kernel: Kernel) -> None:
+    """5,000 bytes of complete messages wait; a read between the two scans shows they
+    flow (over its allowance still, 5,000 - 2,064 = 2,936): not shut. A later scan with
+    no read in between and still over it: shut."""
+    w = Watched()
+    w.watch.accepted(6)
+    kernel.received[6] = 5000
+    assert w.scan() == []
+    w.watch.read(6, b"b", 2000, 1)
+    assert w.scan() == []
+    assert w.scan() == [(6, b"b")]
+
+
+def test_bytes_still_in_the_kernel_queue_are_not_unread_by_libzmq(kernel: Kernel) -> None:
+    """5,000 received of which 4,500 wait in the kernel's queue: 500 taken in by libzmq,
+    under the allowance, never a suspect."""
+    w = Watched()
+    w.watch.accepted(7)
+    kernel.received[7], kernel.queued[7] = 5000, 4500
+    assert w.scan() == [] and w.scan() == [] and w.watch.poll_ms == round(1000 * ww.SCAN_S)
+
+
+def test_surplus_credit_is_clamped_so_it_cannot_hide_a_later_flood(kernel: Kernel) -> None:
+    """20 empty parts read credit 20 x 64 = 1,280 bytes though 100 arrived in all: the
+    credit is clamped to 100 at the scan, so 1,500 more bytes unread count in full."""
+    w = Watched()
+    w.watch.accepted(8)
+    kernel.received[8] = 100
+    w.watch.read(8, b"", 0, 20)
+    assert w.scan() == [] and w.watch.conns[8].credited == 100
+    kernel.received[8] = 1600
+    assert w.scan() == [] and w.scan() == [(8, b"")]
+
+
+def test_a_reused_descriptor_starts_afresh(kernel: Kernel) -> None:
+    """A connection on fd 9 read 10,000 bytes and closed; a new connection gets fd 9. After
+    `gone` and `accepted` its entry is new; even without them (events not seen yet), a
+    byte count lower than the last one is a new connection, not a credit of 10,000."""
+    w = Watched()
+    w.watch.accepted(9)
+    kernel.received[9] = 10_000
+    w.watch.read(9, b"old", 10_000 - PART_OVERHEAD, 1)
+    assert w.scan() == []
+    kernel.received[9] = 50  # another connection, monitor events not handled yet
+    assert w.scan() == [] and w.watch.conns[9].credited == 0
+    assert w.watch.conns[9].identity == b""  # a flood on it bans nobody's id
+    kernel.received[9] = 50 + 1500
+    assert w.scan() == [] and w.scan() == [(9, b"")]
+    w.watch.gone(9)
+    w.watch.accepted(9)
+    assert w.watch.conns[9].credited == 0 and w.watch.conns[9].identity == b""
+
+
+def test_scans_are_spaced_and_unknown_descriptors_ignored(kernel: Kernel) -> None:
+    """A second check within SCAN_S reads nothing; a read on a descriptor never accepted
+    (ipc://, inproc://, or a refused connection) is not tracked."""
+    w = Watched()
+    w.watch.read(11, b"x", 100, 1)
+    assert 11 not in w.watch.conns
+    w.watch.accepted(10)
+    kernel.received[10] = 0
+    w.watch.check(1.0)
+    del kernel.received[10]  # a read now would raise KeyError
+    w.watch.check(1.0 + ww.SCAN_S / 2)
+
+
+# ------------------------------------------------------------------ real socket
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[BrokerServer]:
+    with broker_server(tmp_path) as srv:
+        yield srv
+
+
+def pump(server: BrokerServer, until: float) -> None:
+    """One pass of the broker loop (BrokerServer.serve) per call, until `until`."""
+    while time.monotonic() < until:
+        if server.sock.poll(server.intake.watch.poll_ms):
+            server.drain()
+        server.connections.poll()
+        server.intake.watch.check(time.monotonic())
+
+
+@pytest.mark.skipif(not ww.WireWatch(lambda i: 0, lambda f, i: None, lambda: None).enabled,
+                    reason="no TCP_INFO here: the watch is off")  # fmt: skip
+def test_a_million_empty_parts_before_hello_shut_the_connection(server: BrokerServer) -> None:
+    """The message never reaches the intake (no too_many_parts): the connection is shut
+    while libzmq still assembles it (the attacker sees it disconnected), counted
+    `dropped/unread_flood`, and an honest peer is answered during and after."""
+    evil, ops = Peer(server, "evil"), Peer(server, "ops")
+    monitor = evil.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    assert isinstance(ops.ask(StatusRequest()), StatusReply)
+    evil.sock.send_multipart([b""] * 1_000_000 + [b"end"])
+    counters = server.state.counters
+    deadline = time.monotonic() + 60
+    while counters["dropped/unread_flood"] == 0 and time.monotonic() < deadline:
+        pump(server, time.monotonic() + 0.05)
+    assert counters["dropped/unread_flood"] == 1
+    assert monitor.poll(10_000), "the attacker's connection was not closed"
+    assert counters["refused/too_many_parts"] == 0
+    assert isinstance(ops.ask(StatusRequest()), StatusReply)
+    evil.sock.disable_monitor()
+    monitor.close(linger=0)
+    evil.close()
+    ops.close()
