@@ -106,7 +106,8 @@ def is_group_result(payload: memoryview | bytes) -> bool:
 
 class Intake:
     """Reads the ROUTER for the broker loop. `role_of(identity)` is the sender's registered
-    role ("actor", "learner") or None; `counters` is BrokerState's."""
+    role ("actor", "learner") or None, `leases_of(identity)` the leases an actor holds;
+    `counters` is BrokerState's."""
 
     def __init__(
         self,
@@ -115,9 +116,10 @@ class Intake:
         connections: ConnectionCap,
         counters: collections.Counter[str],
         role_of: Callable[[str], str | None],
+        leases_of: Callable[[str], int] = lambda _identity: 0,
     ) -> None:
         self.sock, self.limits, self.connections = sock, limits, connections
-        self.counters, self.role_of = counters, role_of
+        self.counters, self.role_of, self.leases_of = counters, role_of, leases_of
         self.peers: dict[bytes, _Peer] = {}
         self.watch = WireWatch(self.allowance, self.flood, _trim)
         connections.watch = self.watch
@@ -210,11 +212,16 @@ class Intake:
 
     def allowance(self, identity: bytes) -> int:
         """Bytes libzmq may hold unread for a connection whose messages named `identity`
-        (b"": none yet): twice the largest message its sender may send, plus SLACK
-        (drmas/broker/wire_watch.py)."""
-        role = self.role_of(identity.decode("utf-8", errors="replace")) if identity else None
-        largest = {"actor": self.limits.group, "learner": self.limits.control}
-        return SLACK + 2 * largest.get(role or "", self.limits.hello)
+        (b"": none yet), beyond SLACK (drmas/broker/wire_watch.py): twice its largest
+        message before Hello or as an observer (a Hello) or a learner (a control message);
+        an actor two control messages and a GroupResult for each lease it holds, and one
+        more (a retried one)."""
+        cid = identity.decode("utf-8", errors="replace")
+        role = self.role_of(cid) if identity else None
+        if role == "actor":
+            groups = self.leases_of(cid) + 1
+            return SLACK + 2 * self.limits.control + groups * self.limits.group
+        return SLACK + 2 * (self.limits.control if role == "learner" else self.limits.hello)
 
     def flood(self, fd: int, identity: bytes) -> None:
         """Connection `fd` holds more unread than its allowance: shut it, and drop and ban

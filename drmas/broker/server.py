@@ -143,8 +143,9 @@ class BrokerServer:
             self.key_roles,
         )  # fmt: skip
         self.intake = Intake(
-            self.sock, frames, self.connections, self.state.counters, self.gate_role
-        )
+            self.sock, frames, self.connections, self.state.counters, self.gate_role,
+            self.leases_held,
+        )  # fmt: skip
         self._stop = False
         self._shutdown_sent = False
         log.info("broker listening on %s (run %s)", self.address, self.state.run_id)
@@ -223,6 +224,11 @@ class BrokerServer:
             if client_id in st.learners
             else None
         )
+
+    def leases_held(self, client_id: str) -> int:
+        """Leases the actor `client_id` holds (0 for any other sender)."""
+        actor = self.state.table.actors.get(client_id)
+        return 0 if actor is None else len(actor.leases)
 
     def answer(self, refusal: Refusal) -> None:
         """Tell the sender of a message the intake refused (counted there) why."""

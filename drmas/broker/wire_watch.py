@@ -25,15 +25,16 @@ broker measures it from the kernel's side:
   and the identity its messages named (if any) dropped and banned like the intake's
   other drops; freed heap goes back to the OS once libzmq reports the connection gone.
 
-The allowance is SLACK plus twice the largest message the connection's sender may send:
-before its Hello and as an observer `broker.max_hello_bytes`, a learner
-`broker.max_control_bytes`, an actor the largest GroupResult of the run. At 32 bytes held
-per byte sent, a connection can so make libzmq hold about 32 x (16 KiB + 32 KiB) = 1.5 MB
-before its Hello, about 66 MB as an admitted learner, and about 64 times its largest
-group as an admitted actor (1.3 GB at a 21 MB group; 16 GB at the 256 MB ceiling of
-`broker.max_message_bytes`): a key admitted as an actor is trusted that far. On top, a
-flood grows for about SCAN_S + FOLLOW_S before it is shut (libzmq assembled about 800 MB
-of empty parts a second on the 2-core machine of docs/results.md#hostile-clients).
+The allowance (Intake.allowance) is SLACK plus, before Hello and for an observer, twice
+`broker.max_hello_bytes`; for a learner twice `broker.max_control_bytes`; for an actor
+twice that and one largest GroupResult of the run for each lease it holds, and one more
+(a retried group). At 32 bytes held per byte sent, a connection can so make libzmq hold
+about 32 x (16 KiB + 32 KiB) = 1.5 MB before its Hello, about 66 MB as a learner, and
+as an actor about 32 times (its leases + 1) groups: 740 MB at a 21 MB group and no lease
+(without CURVE anyone who reaches the port may say Hello as an actor; with CURVE, an
+actor's key is trusted that far). On top, a flood grows for about SCAN_S + FOLLOW_S
+before it is shut (libzmq assembled about 800 MB of empty parts a second on the 2-core
+machine of docs/results.md#hostile-clients).
 
 Off, with one log line, where TCP_INFO is not available (not Linux); connections not over
 TCP (ipc://, inproc://) are never reported by ConnectionCap, so they are not watched.

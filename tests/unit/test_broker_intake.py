@@ -21,6 +21,7 @@ import drmas.broker.server as server_mod
 from drmas.broker.connections import OBSERVER_KEY_CONNECTIONS, ConnectionCap, host_of
 from drmas.broker.intake import STATUS_BURST, STRIKES, FrameLimits, Intake, is_group_result
 from drmas.broker.server import BrokerServer, group_bytes
+from drmas.broker.wire_watch import SLACK
 from drmas.protocol import encode
 from drmas.protocol.messages import (
     GroupResult,
@@ -209,6 +210,23 @@ def test_the_byte_budget_refills_at_its_rate(clock: list[float]) -> None:
     assert isinstance(intake.read(), list)
     assert not isinstance(intake.read(), list)
     assert counters["refused/over_budget"] == 2
+
+
+def test_unread_allowance_follows_the_senders_largest_messages() -> None:
+    """What libzmq may hold unread for a connection (drmas/broker/wire_watch.py), with
+    hello 100, control 1,000 and group 10,000 bytes: twice a Hello before any message
+    named the sender or from an observer, twice a control message from a learner, and
+    from an actor holding 3 leases two control messages and 3 + 1 groups."""
+    sock, cap, counters = FakeSock(), FakeCap(), Counter[str]()
+    limits = FrameLimits(hello=100, control=1000, group=10_000, bytes_per_s=1000)
+    roles, leases = {"a": "actor", "L": "learner"}, {"a": 3}
+    intake = Intake(sock, limits, cap, counters, roles.get, lambda i: leases.get(i, 0))  # type: ignore[arg-type]
+    assert intake.allowance(b"") == SLACK + 200
+    assert intake.allowance(b"observer") == SLACK + 200
+    assert intake.allowance(b"L") == SLACK + 2000
+    assert intake.allowance(b"a") == SLACK + 2000 + 4 * 10_000
+    leases["a"] = 0
+    assert intake.allowance(b"a") == SLACK + 2000 + 10_000
 
 
 def test_status_requests_are_rate_limited_then_the_peer_is_dropped_and_banned(
