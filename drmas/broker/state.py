@@ -4,7 +4,8 @@ changes before that).
 
 Owns, one component per concern:
 - membership and leases: `table` (drmas/broker/leases.py: actors, leases) and `learners`
-  (drmas/broker/seats.py: one id per (model, rank) seat, held until Goodbye or timeout);
+  (drmas/broker/seats.py: one id per (model, rank) seat, held until Goodbye or timeout;
+  a seat left mid-run and not taken back sets `learners.lost`, which stops the run);
 - the task source and validation rounds: `validation` (drmas/broker/evaluation.py);
 - one buffer per model (drmas/broker/buffers.py), cut into batches;
 - weight publishing and digests: `weights` (drmas/broker/publishing.py);
@@ -87,7 +88,8 @@ class BrokerState:
             for m in self.models
         }
         self.versions = dict.fromkeys(self.models, 0)
-        self.learners = LearnerSeats(cfg.broker.learner_timeout_s)  # client id -> its seat
+        # client id -> its seat; `learners.lost`: a rank left mid-run and was not replaced
+        self.learners = LearnerSeats(cfg.broker, self.versions, cfg.train.steps)
         self.metrics = metrics or StepMetrics(NullSink(), self.models)
         self.counters: collections.Counter[str] = collections.Counter()
         self.zero_variance = ZeroVarianceFilter(cfg, self.counters)
@@ -132,11 +134,11 @@ class BrokerState:
         self.attach_versions[client_id] = {m: v for m, v in self.versions.items() if v > 0}
 
     def add_learner(
-        self, client_id: str, model: str, rank: int, world_size: int, now: float
+        self, cid: str, model: str, rank: int, size: int, now: float, host: str = "", pid: int = 0
     ) -> None:
         """Seat a learner rank (the gate has checked `learners.refusal`: a held seat is
-        never taken over; raises ValueError if not)."""
-        self.learners.add(client_id, model, rank, world_size, now)
+        never taken over; raises ValueError if not); host and pid name it if it is lost."""
+        self.learners.add(cid, model, rank, size, now, host, pid)
 
     def seen(self, client_id: str, now: float, versions: dict[str, int] | None = None) -> bool:
         actor = self.table.actors.get(client_id)

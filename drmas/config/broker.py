@@ -56,6 +56,12 @@ class BrokerConfig:
     learner_timeout_s: Seconds = 600.0
     """A learner rank silent this long is dropped (it heartbeats between micro-batches;
     a weight-group rendezvous can block it for weights.timeout_s)."""
+    learner_rejoin_s: Seconds = 60.0
+    """A learner rank that leaves before its model's last step (a Goodbye, e.g. its Slurm
+    job cancelled, or learner_timeout_s of silence) may take its seat back within this
+    long (a restart says Hello under its own id); otherwise the broker stops the run,
+    naming the rank and why it left, and exits non-zero: the other learners save a
+    checkpoint, and `run.resume=RUN_DIR` continues the run."""
     max_actors: Positive = 1024
     """Actors registered at once; a Hello beyond it is refused."""
     max_connections_per_host: Positive = 256

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 from drmas.config import DrmasConfig
@@ -22,4 +23,8 @@ def run_broker(cfg: DrmasConfig) -> int:
     server.install_signal_handlers()
     print(f"drmas broker listening on {server.address}", flush=True)
     server.serve()
+    lost = server.state.learners.lost  # a learner left mid-run: drmas/broker/seats.py
+    if lost:
+        print(f"drmas broker: {lost} (RUN_DIR: {run_dir})", file=sys.stderr, flush=True)
+        return 1
     return 0

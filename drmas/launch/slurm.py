@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -119,9 +118,9 @@ def learner_task(cfg: DrmasConfig, model: str) -> None:
             "and nodes so that nodes x tasks_per_node equals it"
         )
     os.environ.update(env)
-    # submitit set SIGTERM to be logged and ignored; `drmas learner` keeps Python's default
-    # (a cancelled or preempted rank ends at once, as under torchrun or `drmas train`)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # submitit set SIGTERM to be logged and ignored; `run` replaces that with the learner's
+    # own handler, as for `drmas learner`: a cancelled or preempted rank tells the broker
+    # its job id and leaves at once (drmas/learners/leaving.py)
     from drmas.learners.entry import run
 
     # `run`, then leave as `drmas learner` does (entry.start's os._exit(0)), but only once

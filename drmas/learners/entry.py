@@ -6,6 +6,8 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun, `drmas train`, or Slurm via
 drmas/launch/slurm.py). It is checked against the config before torch is imported, so a
 wrong invocation answers at once with a ConfigError that says what to run. Then this
 process's torch threads and logging are set and drmas/learners/main.py's Learner runs.
+SIGTERM and SIGINT make the rank tell the broker why it leaves, then exit at once
+(drmas/learners/leaving.py).
 """
 
 from __future__ import annotations
@@ -13,14 +15,19 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+from functools import partial
 from typing import TYPE_CHECKING, NoReturn
 
 from drmas.config import ConfigError
+from drmas.learners.leaving import Leaving
 from drmas.threads import env_threads
 from drmas.transports.ports import free_port
 
 if TYPE_CHECKING:
     from drmas.config import DrmasConfig
+    from drmas.learners.main import Learner
+    from drmas.transports.channel import BrokerClient
 
 
 def start(cfg: DrmasConfig, model: str) -> NoReturn:
@@ -60,7 +67,24 @@ def run(cfg: DrmasConfig, model: str) -> None:
         torch.set_num_threads(threads)
     from drmas.learners.main import Learner
 
-    Learner(cfg, model, rank, world_size).run()
+    learner = Learner(cfg, model, rank, world_size)
+    leaving = Leaving(model, rank, partial(_connection, learner))
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:  # signal handlers can only be set there
+        leaving.install()
+    try:
+        learner.run()
+    finally:
+        if main_thread:
+            leaving.uninstall()
+
+
+def _connection(learner: Learner) -> BrokerClient | None:
+    """The rank's broker connection, None before it has said Hello."""
+    try:
+        return learner.client
+    except RuntimeError:
+        return None
 
 
 def group_place(cfg: DrmasConfig, model: str) -> tuple[int, int]:

@@ -99,6 +99,7 @@ ACTOR_TIME_STATES = ("generating", "waiting_for_leases", "loading_weights")
 class Goodbye(_Msg, tag="goodbye"):
     client_id: Id
     lease_ids: LeaseIds = []
+    reason: Text = ""  # why it leaves (a learner's signal and Slurm job); "" = done
 
 
 # actor -> broker: leases it cannot finish (a failed group); they are re-issued. No reply.
