@@ -76,6 +76,8 @@ class Leaving:
         self.client = client
         self._lock = threading.Lock()
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._leaving = 0
+        """The thread that is leaving (0: none yet)."""
 
     def install(self) -> None:
         """From the main thread: the handlers, the wakeup fd and the watchdog thread."""
@@ -103,6 +105,8 @@ class Leaving:
             self._wakeup = None
 
     def on_signal(self, signum: int, _frame: object) -> None:
+        if self._leaving == threading.get_ident():
+            return  # a second signal (Slurm signals the step and srun) while this thread leaves
         self.leave(signum)
 
     def watch(self, read: socket.socket) -> None:
@@ -122,6 +126,7 @@ class Leaving:
         code = 128 + signum
         if not self._lock.acquire(timeout=GOODBYE_FLUSH_S + MAIN_THREAD_GRACE_S):
             os._exit(code)  # the other path is leaving and did not finish: do not wait more
+        self._leaving = threading.get_ident()
         reason = leave_reason(signum, os.environ, socket.gethostname(), os.getpid())
         log.warning(
             "%s rank %d leaves now (%s)%s: the broker is told, the step is not finished",

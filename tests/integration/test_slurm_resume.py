@@ -3,16 +3,19 @@
 (checkpoints every 2 steps), its learner job is `scancel`-ed: its submitting command
 stops with an error naming the job and its state, although this cluster has no
 accounting (`sacct` fails; drmas/launch/slurm_jobs.py asks the controller). The rest of the
-run is stopped (the other jobs cancelled, the broker sent SIGTERM), and every role is
-submitted again with `run.resume=RUN_DIR`: the solver resumes from a checkpoint and the
-run trains to its last step, every job of the second run COMPLETED.
+run stops by itself: the solver's ranks tell the broker their job id as they leave, the
+broker waits broker.learner_rejoin_s for them, then tells every other job to stop, names
+the cancelled job in its log and broker_summary.json and exits 1; the verifier's learner
+job and the actor's job end COMPLETED. Every role is submitted again with
+`run.resume=RUN_DIR`: the solver resumes from a checkpoint and the run trains to its last
+step, every job of the second run COMPLETED.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
+import re
 import subprocess
 import sys
 import time
@@ -42,6 +45,7 @@ SHORT = [
     "models.verifier.warmstart.steps=60",
     "broker.heartbeat_timeout_s=20",
     "weights.timeout_s=30",
+    "broker.learner_rejoin_s=10",
 ]
 MODELS = ("solver", "verifier")
 
@@ -117,13 +121,20 @@ def test_a_cancelled_learner_job_is_named_and_the_run_resumes(
         said = (tmp_path / "submit-solver.log").read_text()
         assert first["solver"].returncode != 0
         assert f"Job {solver_job}" in said and "CANCELLED" in said, said[-3000:]
-        # stop the rest of the run, as docs/deploy.md says
-        for job in slurm_cluster.jobs_logging_to(logs):
-            slurm_cluster.run("scancel", job["JobId"])
-        broker.send_signal(signal.SIGTERM)
-        assert broker.wait(60) == 0
-        slurm_cluster.wait_ended(logs, 3, timeout=120)
+        # the rest of the run ends by itself, the broker naming the cancelled job
+        assert broker.wait(240) == 1, "the broker did not stop the run that lost a learner"
+        wait_all([first["verifier"], first["actor"]], 240)
+        assert [first["verifier"].returncode, first["actor"].returncode] == [0, 0]
+        ended = {j["JobId"]: j["JobState"] for j in slurm_cluster.wait_ended(logs, 3, 120)}
         stop(list(first.values()))
+        assert ended.pop(solver_job) == "CANCELLED" and set(ended.values()) == {"COMPLETED"}
+        lost = json.loads((run_dir / "broker_summary.json").read_text())["learner_lost"]
+        # the solver's one rank (a world size of 1 here) said why it left, naming its job
+        assert "solver rank 0 ('learner-solver-0' on " in lost, lost
+        assert re.search(r"left at version \d+: SIGTERM to pid \d+ on ", lost), lost
+        assert f"Slurm job {solver_job} task 0" in lost, lost
+        said = (tmp_path / "broker.log").read_text()
+        assert f"Slurm job {solver_job} task 0" in said and "run.resume=RUN_DIR" in said
 
         resume = f"run.resume={run_dir}"
         resumed = start_broker(run_dir, tmp_path / "broker-2.log", address, resume)
@@ -140,6 +151,7 @@ def test_a_cancelled_learner_job_is_named_and_the_run_resumes(
                 print(
                     f"--- {log.relative_to(tmp_path)}:\n{log.read_text(errors='replace')[-3000:]}"
                 )
+        print(job_logs(logs, tail=2500))
         print(job_logs(logs2, tail=2500))
     assert [p.returncode for p in second.values()] == [0, 0, 0]
     assert sorted(j["JobState"] for j in jobs) == ["COMPLETED"] * 3
