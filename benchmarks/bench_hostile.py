@@ -2,7 +2,8 @@
 
     python benchmarks/bench_hostile.py [--out benchmarks/results/hostile.json] [--parts 8000000]
 
-Two parts. `attacks`: the attacks of issue #25 (1: many empty parts before Hello, 2: huge
+Two parts. `attacks`: the attacks of issue #25 (1: many empty parts before Hello, and 1b
+after a Hello as an actor, whose allowance of unread bytes is larger; 2: huge
 valid messages before and after Hello, 3: peers that never read their replies, 5: twelve
 loopback aliases over the per-host cap, reconnecting every 100 ms) against a real broker
 process on loopback (`BrokerServer.serve`), each measured by the broker's resident memory
@@ -272,6 +273,53 @@ def attack_many_parts(broker: Broker, parts: int) -> dict:
             "status_after": type(later).__name__ if later is not None else None}  # fmt: skip
 
 
+def zmtp_frame(data: bytes, more: bool = False, command: bool = False) -> bytes:
+    """One ZMTP 3 frame: flags (MORE 1, LONG 2, COMMAND 4), then its size, then `data`."""
+    flags = int(more) | (4 if command else 0)
+    if len(data) < 256:
+        return bytes([flags, len(data)]) + data
+    return bytes([flags | 2]) + len(data).to_bytes(8, "big") + data
+
+
+def attack_parts_as_actor(broker: Broker, parts: int) -> dict:
+    """1b: a raw ZMTP client (as fast as the wire, no pyzmq loop per part) says Hello as an
+    actor, holds no lease, and sends `parts` empty parts in one message: its allowance
+    of unread bytes is an actor's (drmas/broker/wire_watch.py)."""
+    host, port = broker.address.removeprefix("tcp://").rsplit(":", 1)
+    greeting = b"\xff" + bytes(7) + b"\x01\x7f\x03\x01" + b"NULL".ljust(20, b"\0") + bytes(32)
+    ready = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+    ready += b"\x08Identity" + (11).to_bytes(4, "big") + b"parts-actor"
+    hello = encode(Hello("actor", "parts-actor", PROTOCOL_VERSION, ["solver", "verifier"]))
+    flood = b"\x01\x00" * parts + zmtp_frame(b"x")
+    conn = socket.create_connection((host, int(port)), timeout=30)
+    for step in (greeting[:10], greeting[10:]):  # libzmq reads on only once it answered
+        conn.sendall(step)
+        time.sleep(0.05)
+        conn.recv(256)
+    conn.sendall(zmtp_frame(ready, command=True) + zmtp_frame(hello))
+    time.sleep(1.0)  # the Welcome
+    start = time.monotonic()
+    shut, got = False, b""
+    try:
+        conn.sendall(flood)
+        conn.settimeout(60)
+        while b"too_many_parts" not in got:  # the Welcome, then the refusal if it is read
+            data = conn.recv(65536)
+            if not data:
+                shut = True
+                break
+            got += data
+    except ConnectionResetError:
+        shut = True
+    except OSError:
+        pass
+    finally:
+        conn.close()
+    return {"bytes_sent": len(flood), "connection_shut": shut,
+            "refused_too_many_parts": b"too_many_parts" in got,
+            "seconds": round(time.monotonic() - start, 2)}  # fmt: skip
+
+
 def attack_huge_messages(broker: Broker, group_bytes: int) -> dict:
     """2: LeaseReturns of one-byte lease ids: 64 MB (over the socket's ceiling) and just
     under the ceiling before Hello, then 1 MB and 900 KB from a registered actor."""
@@ -354,11 +402,13 @@ def run_attacks(parts: int, only: set[str] | None = None) -> dict:
     broker = Broker(proc.pid or 0, address, ctx)
     time.sleep(2)
     cases = {"1_many_parts_before_hello": lambda: attack_many_parts(broker, parts),
+             "1b_many_parts_after_hello_as_actor": lambda: attack_parts_as_actor(broker, parts),
              "2_huge_valid_messages": lambda: attack_huge_messages(broker, group_bytes),
              "3_peers_that_never_read": lambda: attack_non_readers(broker),
              "5_loopback_aliases_and_reconnects": lambda: attack_loopback_aliases(broker)}  # fmt: skip
     if only:
-        cases = {name: attack for name, attack in cases.items() if name.split("_")[0] in only}
+        cases = {name: attack for name, attack in cases.items()
+                 if name.split("_")[0].rstrip("b") in only}  # fmt: skip
     out: dict = {"group_bytes_ceiling": group_bytes, "cases": {}}
     windows = {}
     try:
