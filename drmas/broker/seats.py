@@ -1,7 +1,7 @@
 """The learner registry: which client id holds which (model, rank) seat (pure logic).
 
 Owned by BrokerState (drmas/broker/state.py) as `state.learners`, a dict client id ->
-LearnerRecord that the broker loop reads and, on a learner's Goodbye, deletes from. The
+LearnerRecord that the broker loop reads and, on a learner's Goodbye, frees (`leave`). The
 gate (drmas/broker/gate.py) asks `refusal` before a learner's Hello is admitted.
 
 Why seats: a learner rank's registration decides who may ask for its shards, report its
