@@ -447,6 +447,14 @@ def run_attacks(parts: int, only: set[str] | None = None) -> dict:
         proc.terminate()
         proc.join(60)
         ctx.destroy(linger=0)
+    honest_actor_served(out, windows, log)
+    return out
+
+
+def honest_actor_served(
+    out: dict, windows: dict[str, tuple[float, float]], log: list[tuple[float, float | None]]
+) -> None:
+    """The honest actor's requests during each attack's window, and after the last one."""
     for name, (start, end) in windows.items():
         asked = [(t, s) for t, s in log if start <= t <= end]
         waits = [s for _, s in asked if s is not None]
@@ -459,7 +467,6 @@ def run_attacks(parts: int, only: set[str] | None = None) -> dict:
         "lease_requests": len(tail),
         "answered": sum(s is not None for s in tail),
     }
-    return out
 
 
 def main() -> int:
