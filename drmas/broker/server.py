@@ -9,7 +9,7 @@ sender's role bound at Hello, its CURVE key's role, every field, the run's limit
 it touches state; this loop only routes what the gate admits to BrokerState and sends the
 replies. A refused frame gets an ErrorReply (when the sender can be answered), is counted
 under `refused/<code>`, and the loop goes on. Anything unforeseen is refused as
-`internal` by a last-resort handler. The loop polls with a 100 ms timeout (10 ms while
+`internal` by a last-resort handler. The loop polls with a 100 ms timeout (20 ms while
 TCP connections are open) so liveness checks never stall, caps open connections per
 host, in all and per CURVE key (drmas/broker/connections.py), and shuts a connection
 that makes libzmq hold more than it may send before the broker can read it, such as one
