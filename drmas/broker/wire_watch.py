@@ -192,6 +192,7 @@ class WireWatch:
             return
         self._next_check = now + (FOLLOW_S if self.suspects else SCAN_S)
         rss = self._rss_now()
+        self._rss = min(self._rss, rss)  # growth counts from the lowest since the last scan
         if rss - self._rss >= RSS_TRIGGER or now >= self._next_full:
             started = time.perf_counter()
             self._scan(list(self.conns))

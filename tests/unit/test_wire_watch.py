@@ -33,6 +33,7 @@ class Kernel:
 @pytest.fixture
 def kernel(monkeypatch: pytest.MonkeyPatch) -> Kernel:
     k = Kernel()
+    monkeypatch.setattr(ww, "SCAN_SHARE", 1.0)  # a slow scan here never postpones the next
     monkeypatch.setattr(ww, "bytes_received", lambda fd: k.received[fd])
     monkeypatch.setattr(ww, "bytes_queued", lambda fd: k.queued.get(fd, 0))
     return k
@@ -150,6 +151,34 @@ def test_scans_are_spaced_and_unknown_descriptors_ignored(kernel: Kernel) -> Non
     w.watch.check(1.0)
     del kernel.received[10]  # a read now would raise KeyError
     w.watch.check(1.0 + ww.SCAN_S / 2)
+
+
+def test_memory_growth_starts_a_full_scan_before_it_is_due(
+    kernel: Kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Full scans are FULL_S apart, unless the broker's memory grew by RSS_TRIGGER since
+    the lowest it was after the last one (then at the next check, SCAN_S later)."""
+    w = Watched()
+    w.watch.accepted(12)
+    scans: list[int] = []
+    monkeypatch.setattr(ww, "bytes_received", lambda fd: scans.append(fd) or 0)
+    rss = [500 << 20]
+    monkeypatch.setattr(w.watch, "_rss_now", lambda: rss[0])
+    t = 10.0
+    w.watch.check(t)
+    assert scans == [12]  # the first is due at once
+    rss[0] = 100 << 20  # freed (a trim): the baseline follows it down
+    w.watch.check(t + ww.SCAN_S)
+    rss[0] += ww.RSS_TRIGGER - 1
+    w.watch.check(t + 2 * ww.SCAN_S)
+    assert scans == [12]  # not due, and not grown enough
+    rss[0] += 1
+    w.watch.check(t + 3 * ww.SCAN_S)
+    assert scans == [12, 12]
+    w.watch.check(t + 4 * ww.SCAN_S)
+    assert scans == [12, 12]
+    w.watch.check(t + 3 * ww.SCAN_S + ww.FULL_S)
+    assert scans == [12, 12, 12]
 
 
 # ------------------------------------------------------------------ real socket
