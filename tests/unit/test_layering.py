@@ -13,7 +13,7 @@ Imports under `if TYPE_CHECKING:` are annotations only and are not counted.
 from __future__ import annotations
 
 import ast
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -171,3 +171,12 @@ def test_the_graph_reader_sees_what_it_should(tmp_path: Path) -> None:
     assert not [n for n in found if n.startswith("drmas.launch")]
     edges = {"a": {"b": {"x"}}, "b": {"c": {"y"}}, "c": {"a": {"z"}}, "d": {"a": {"w"}}}
     assert _cycles(edges) == [["a", "b", "c"]]  # type: ignore[arg-type]
+
+
+def test_test_files_have_unique_names() -> None:
+    """pytest imports test files by their base name (the tests folders are not packages
+    of their own), so two test_x.py in different folders stop the whole run at collection
+    with "import file mismatch"."""
+    tests = Path(__file__).resolve().parents[1]
+    names = Counter(p.name for p in tests.rglob("test_*.py"))
+    assert [n for n, count in names.items() if count > 1] == []

@@ -1,5 +1,5 @@
 """A learner that leaves mid-run stops the run unless its seat is taken back in time
-(drmas/broker/seats.py; issue #26: a cancelled learner job left the run waiting for ever).
+(drmas/broker/seats.py: a cancelled learner job used to leave the run waiting for ever).
 
 The policy on its own (times are plain numbers), then through the broker loop: the seat
 left with a reason that names a Slurm job, nobody takes it back, every peer is told
