@@ -190,7 +190,6 @@ class WireWatch:
             self.trim()
         if not self.conns or now < self._next_check:
             return
-        self._next_check = now + (FOLLOW_S if self.suspects else SCAN_S)
         rss = self._rss_now()
         self._rss = min(self._rss, rss)  # growth counts from the lowest since the last scan
         if rss - self._rss >= RSS_TRIGGER or now >= self._next_full:
@@ -201,6 +200,8 @@ class WireWatch:
             self._next_full = now + max(FULL_S, cost / SCAN_SHARE)
         elif self.suspects:
             self._scan(list(self.suspects))
+        # after the scan: a connection it found over its allowance is looked at again soon
+        self._next_check = now + (FOLLOW_S if self.suspects else SCAN_S)
 
     def close(self) -> None:
         if self._statm >= 0:

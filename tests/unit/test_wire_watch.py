@@ -181,6 +181,19 @@ def test_memory_growth_starts_a_full_scan_before_it_is_due(
     assert scans == [12, 12, 12]
 
 
+def test_a_suspect_is_looked_at_again_after_follow_s(kernel: Kernel) -> None:
+    """The scan that finds a connection over its allowance sets the next check FOLLOW_S
+    later (not SCAN_S): a flood grows for FOLLOW_S more, not SCAN_S."""
+    w = Watched()
+    w.watch.accepted(9)
+    kernel.received[9] = 5000  # over 1,000 at the first scan: a suspect
+    w.watch.check(50.0)
+    assert w.watch.suspects == {9} and w.floods == []
+    assert w.watch.poll_ms == round(1000 * ww.FOLLOW_S)
+    w.watch.check(50.0 + ww.FOLLOW_S)
+    assert w.floods == [(9, b"")]
+
+
 # ------------------------------------------------------------------ real socket
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[BrokerServer]:
