@@ -11,19 +11,17 @@ lost or trained twice.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from drmas.transports.ports import free_port
-from tests.integration.conftest import REPO, drmas, read_summary
+from tests.integration.conftest import read_summary
 from tests.integration.slurm_cluster import SMALL_JOB, SlurmCluster, job_logs, submit, wait_all
+from tests.integration.slurm_run import prepare_run, start_broker, status
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -47,13 +45,6 @@ SHORT = [
 MODELS = ("solver", "verifier")
 
 
-def status(run_dir: Path) -> dict[str, Any]:
-    out = drmas("status", str(run_dir), "--json", "--client", "observer", "--timeout", "10",
-                timeout=60)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    return dict(json.loads(out.stdout))
-
-
 def actor(run_dir: Path, actor_id: str) -> dict[str, Any]:
     return {a["client_id"]: a for a in status(run_dir)["actors"]}.get(actor_id, {})
 
@@ -71,23 +62,10 @@ def wait_until(pred: Any, timeout: float, what: str, broker: subprocess.Popen[by
 def test_an_actor_added_mid_run_trains_and_a_preempted_one_hands_back(
     tmp_path: Path, model_cache: Path, slurm_cluster: SlurmCluster
 ) -> None:
-    run_dir, logs = tmp_path / "run", tmp_path / "slurm-logs"
-    keys = run_dir / "keys"
-    address = {"DRMAS_BROKER_ADDRESS": f"tcp://127.0.0.1:{free_port()}"}
-    made = drmas("keys", str(keys), "--clients", "actors,learners,observer", timeout=120)
-    assert made.returncode == 0, made.stderr
-    prep = drmas(
-        "prepare", "deploy=slurm", f"run.dir={run_dir}", f"security.keys_dir={keys}", *SHORT,
-        f"run.cache_dir={model_cache}", env=address,
-    )  # fmt: skip
-    assert prep.returncode == 0, prep.stderr[-3000:]
+    run_dir, address = prepare_run(tmp_path, model_cache, SHORT, "actors,learners,observer")
+    logs = tmp_path / "slurm-logs"
     config = f"run_config={run_dir / 'config.yaml'}"
-    with (tmp_path / "broker.log").open("w") as f:
-        broker = subprocess.Popen(
-            [sys.executable, "-m", "drmas.launch.cli", "broker", "--config",
-             str(run_dir / "config.yaml")],
-            cwd=REPO, env={**os.environ, **address}, stdout=f, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    broker = start_broker(run_dir, tmp_path / "broker.log", address)
     submitters = {
         model: submit(slurm_cluster, logs, "role=learner", f"model={model}", config, *SMALL_JOB,
                       out=tmp_path / f"submit-{model}.log")

@@ -12,16 +12,13 @@ The only additions to the documented commands fit the jobs to the test node's 16
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from drmas.transports.ports import free_port
-from tests.integration.conftest import REPO, drmas, read_metrics, read_summary
+from tests.integration.conftest import read_metrics, read_summary
 from tests.integration.slurm_cluster import SMALL_JOB, SlurmCluster, job_logs, submit, wait_all
+from tests.integration.slurm_run import prepare_run, start_broker
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -45,23 +42,11 @@ WAIT_S = 600
 def test_documented_slurm_flow_trains_and_every_job_completes(
     tmp_path: Path, model_cache: Path, slurm_cluster: SlurmCluster
 ) -> None:
-    run_dir, logs = tmp_path / "run", tmp_path / "slurm-logs"
-    keys = run_dir / "keys"
-    address = {"DRMAS_BROKER_ADDRESS": f"tcp://127.0.0.1:{free_port()}"}
-    made = drmas("keys", str(keys), "--clients", "actors,learners", timeout=120)
-    assert made.returncode == 0, made.stderr
-    prep = drmas(
-        "prepare", "deploy=slurm", f"run.dir={run_dir}", f"security.keys_dir={keys}", *SHORT,
-        f"run.cache_dir={model_cache}", env=address,
-    )  # fmt: skip
-    assert prep.returncode == 0, prep.stderr[-3000:]
+    run_dir, address = prepare_run(tmp_path, model_cache, SHORT, "actors,learners")
+    logs = tmp_path / "slurm-logs"
     config = f"run_config={run_dir / 'config.yaml'}"
     broker_log = tmp_path / "broker.log"
-    with broker_log.open("w") as f:
-        broker = subprocess.Popen(
-            [sys.executable, "-m", "drmas.launch.cli", "broker", "--config", str(run_dir / "config.yaml")],
-            cwd=REPO, env={**os.environ, **address}, stdout=f, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    broker = start_broker(run_dir, broker_log, address)
     submitters = [
         submit(slurm_cluster, logs, "role=learner", f"model={model}", config,
                "hydra.launcher.tasks_per_node=2", *SMALL_JOB, out=tmp_path / f"submit-{model}.log")

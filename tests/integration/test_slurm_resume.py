@@ -14,19 +14,17 @@ step, every job of the second run COMPLETED.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from drmas.transports.ports import free_port
-from tests.integration.conftest import REPO, drmas, read_metrics
+from tests.integration.conftest import read_metrics
 from tests.integration.slurm_cluster import SMALL_JOB, SlurmCluster, job_logs, submit, wait_all
+from tests.integration.slurm_run import prepare_run, start_broker, status
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -48,22 +46,6 @@ SHORT = [
     "broker.learner_rejoin_s=10",
 ]
 MODELS = ("solver", "verifier")
-
-
-def status(run_dir: Path) -> dict[str, Any]:
-    out = drmas("status", str(run_dir), "--json", "--client", "observer", "--timeout", "10",
-                timeout=60)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    return dict(json.loads(out.stdout))
-
-
-def start_broker(run_dir: Path, log: Path, address: dict[str, str], *extra: str) -> Any:
-    with log.open("w") as f:
-        return subprocess.Popen(
-            [sys.executable, "-m", "drmas.launch.cli", "broker", "--config",
-             str(run_dir / "config.yaml"), *extra],
-            cwd=REPO, env={**os.environ, **address}, stdout=f, stderr=subprocess.STDOUT,
-        )  # fmt: skip
 
 
 def submit_run(
@@ -91,16 +73,8 @@ def stop(procs: list[Any]) -> None:
 def test_a_cancelled_learner_job_is_named_and_the_run_resumes(
     tmp_path: Path, model_cache: Path, slurm_cluster: SlurmCluster
 ) -> None:
-    run_dir, logs, logs2 = tmp_path / "run", tmp_path / "slurm-logs", tmp_path / "slurm-logs-2"
-    keys = run_dir / "keys"
-    address = {"DRMAS_BROKER_ADDRESS": f"tcp://127.0.0.1:{free_port()}"}
-    made = drmas("keys", str(keys), "--clients", "actors,learners,observer", timeout=120)
-    assert made.returncode == 0, made.stderr
-    prep = drmas(
-        "prepare", "deploy=slurm", f"run.dir={run_dir}", f"security.keys_dir={keys}", *SHORT,
-        f"run.cache_dir={model_cache}", env=address,
-    )  # fmt: skip
-    assert prep.returncode == 0, prep.stderr[-3000:]
+    run_dir, address = prepare_run(tmp_path, model_cache, SHORT, "actors,learners,observer")
+    logs, logs2 = tmp_path / "slurm-logs", tmp_path / "slurm-logs-2"
     broker = start_broker(run_dir, tmp_path / "broker.log", address)
     first = submit_run(slurm_cluster, run_dir, logs, tmp_path)
     second: dict[str, subprocess.Popen[bytes]] = {}
