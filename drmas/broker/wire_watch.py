@@ -23,7 +23,8 @@ broker measures it from the kernel's side:
   it is not a queue of complete messages the broker reads next), it is shut down
   (SHUT_RDWR: libzmq's own descriptor is never closed), counted `dropped/unread_flood`,
   and the identity its messages named (if any) dropped and banned like the intake's
-  other drops; freed heap goes back to the OS once libzmq reports the connection gone.
+  other drops; freed heap goes back to the OS once libzmq reports the connection gone
+  (TRIMS times, TRIM_S apart: libzmq may free the message later than it says so).
 
 The allowance (Intake.allowance) is SLACK plus, before Hello and for an observer, twice
 `broker.max_hello_bytes`; for a learner twice `broker.max_control_bytes`; for an actor
@@ -73,6 +74,12 @@ to what the connection sent at every scan, so the surplus cannot accumulate)."""
 SLACK = 16 * 1024
 """Unread bytes any connection may have beyond twice its largest message: the ZMTP or
 CURVE handshake and what arrived since the last read."""
+TRIMS = 8
+"""Heap trims after a shut connection is gone, TRIM_S apart: libzmq reports the connection
+gone when its engine stops, and frees the partial message only once the broker's socket
+has taken the pipe's end, which may be later (measured: a flood shut after its sender's
+Hello kept 525 MB in the broker's heap with one trim at once)."""
+TRIM_S = 0.25
 _TCP_INFO = getattr(socket, "TCP_INFO", None)
 _BYTES_RECEIVED = 128
 """Offset of tcpi_bytes_received (u64) in Linux's struct tcp_info."""
@@ -153,7 +160,7 @@ class WireWatch:
                 self._statm = os.open("/proc/self/statm", os.O_RDONLY)
         self._rss = self._rss_now()  # at the last full scan
         self._next_check = self._next_full = 0.0
-        self._trim_due = False
+        self._trims_left, self._next_trim = 0, 0.0
         self.suspects: set[int] = set()  # over their allowance at the last scan
 
     @property
@@ -172,7 +179,7 @@ class WireWatch:
         self.suspects.discard(fd)
         if fd in self.shut:
             self.shut.discard(fd)
-            self._trim_due = True  # libzmq frees the partial message with the pipe
+            self._trims_left = TRIMS  # libzmq frees the partial message with the pipe
 
     def read(self, fd: int, identity: bytes, nbytes: int, parts: int) -> None:
         """A message of `parts` parts and `nbytes` payload bytes read from `fd`."""
@@ -185,8 +192,9 @@ class WireWatch:
     def check(self, now: float) -> None:
         """Scan what is due (see the module docstring): every connection each FULL_S or
         once the broker's memory grew by RSS_TRIGGER, the suspects after FOLLOW_S."""
-        if self._trim_due:
-            self._trim_due = False
+        if self._trims_left and now >= self._next_trim:
+            self._trims_left -= 1
+            self._next_trim = now + TRIM_S
             self.trim()
         if not self.conns or now < self._next_check:
             return

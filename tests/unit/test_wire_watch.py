@@ -85,6 +85,9 @@ def test_a_connection_over_its_allowance_at_two_scans_without_a_read_is_shut(
     assert w.trims == 0
     w.scan()
     assert w.trims == 1 and 5 not in w.watch.conns  # heap handed back once it is gone
+    for _ in range(ww.TRIMS + 2):  # and again TRIMS times in all (scans here 1 s apart):
+        w.scan()  # libzmq may free the partial message after it reported the connection gone
+    assert w.trims == ww.TRIMS
 
 
 def test_a_queue_of_complete_messages_being_read_is_not_a_flood(kernel: Kernel) -> None:
