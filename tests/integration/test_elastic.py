@@ -99,9 +99,10 @@ def test_actor_attached_mid_run_syncs_then_trains(tmp_path: Path, model_cache: P
     """hf engine: a second actor attached once both models are past v1 shows in status,
     receives the current weights (digests match), and then contributes accepted groups,
     although its config names a tracker (wandb) that is not installed on its node."""
-    # 12 steps: the late actor takes ~20-30 s to load on a loaded machine, long enough
-    # for 8 steps to end before it could return a group (a CI run saw exactly that)
-    run_dir, steps = tmp_path / "run", 12
+    # 30 steps: the late actor takes ~20-30 s to start on a loaded machine, and 12 steps
+    # took 33 s in one run, which ended before the late actor said Hello (CI saw that at 8
+    # steps, then at 12)
+    run_dir, steps = tmp_path / "run", 30
     train = start_train(
         run_dir, model_cache, "train.progress=false", f"train.steps={steps}", "actor.max_groups=2"
     )
