@@ -70,12 +70,15 @@ def test_actor_killed_mid_run_loses_nothing(tmp_path: Path, model_cache: Path) -
 def test_actor_killed_during_a_weight_broadcast_loses_nothing(
     tmp_path: Path, model_cache: Path
 ) -> None:
-    run_dir = tmp_path / "run"
+    run_dir, steps = tmp_path / "run", 16
     # small buckets: the tiny model's publish is several broadcasts, so the kill lands
-    # between them (after the first bucket of solver v3 arrived)
+    # between them (after the first bucket of a solver publish at v3 or later arrived).
+    # 16 steps: the doomed actor takes ~20-30 s to start on a loaded machine, and a 6-step
+    # run once ended in 21 s, before it said Hello
     train = start_train(
-        run_dir, model_cache, "train.steps=6", "actor.max_groups=4", "weights.bucket_mb=0.25"
-    )
+        run_dir, model_cache, f"train.steps={steps}", "actor.max_groups=4",
+        "weights.bucket_mb=0.25",
+    )  # fmt: skip
     extra = None
     try:
         broker_address(run_dir)
@@ -98,9 +101,9 @@ def test_actor_killed_during_a_weight_broadcast_loses_nothing(
     assert summary["leases"]["balanced"] == 1, summary["leases"]
     assert c.get("groups_trained_twice", 0) == 0
     assert c.get("weight_digest_mismatch", 0) == 0
-    assert summary["versions"] == {"solver": 6, "verifier": 6}
+    assert summary["versions"] == {"solver": steps, "verifier": steps}
     for model in ("solver", "verifier"):
-        assert summary["trained_groups"][model] == 6 * 4  # every batch complete, none twice
+        assert summary["trained_groups"][model] == steps * 4  # every batch whole, none twice
 
 
 def bad_step(vocab_id: int) -> Step:
