@@ -147,7 +147,7 @@ def test_actor_attached_mid_run_syncs_then_trains(tmp_path: Path, model_cache: P
 def test_sigterm_detach_hands_back_leases(tmp_path: Path, model_cache: Path) -> None:
     """An actor stopped with SIGTERM says Goodbye with its unfinished leases: they are handed
     back (not lost to a heartbeat timeout) and the run completes with nothing lost."""
-    run_dir, steps = tmp_path / "run", 6
+    run_dir, steps = tmp_path / "run", 12  # long enough for the leaver to start (20-30 s)
     train = start_train(
         run_dir,
         model_cache,
