@@ -19,7 +19,6 @@ differences (benchmarks/study_stats.py). Results: one JSON per run beside the su
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 
 from study_stats import mean_ci, significant  # noqa: E402
-from variant_runs import train_once  # noqa: E402
+from variant_runs import run_variants  # noqa: E402
 
 from drmas.launch.report_stats import load_run  # noqa: E402
 
@@ -123,19 +122,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
-    p.add_argument("--out", default=str(OUT))
-    p.add_argument("--summarize", action="store_true", help="only recompute from the records")
-    args = p.parse_args()
-    out = Path(args.out)
-    folder = out.with_suffix("")
-    if not args.summarize:
-        for seed in args.seeds:
-            for variant in VARIANTS:
-                train_once(folder, variant, seed,
-                           lambda d, v=variant, s=seed: overrides(v, s, d), measure)  # fmt: skip
-    records = [json.loads(f.read_text()) for f in sorted(folder.glob("*_s*.json"))]
+    out, records = run_variants(__doc__.split("\n\n")[0], OUT, VARIANTS, overrides, measure)
     summary = summarize(records)
     out.write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: summary[k] for k in summary if k != "per_seed"}, indent=2))

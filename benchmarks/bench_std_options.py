@@ -23,7 +23,6 @@ spikes line up with; its output is kept in the results too.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -35,7 +34,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 
 from study_stats import mean_ci, sign_test, significant  # noqa: E402
-from variant_runs import relative, train_once  # noqa: E402
+from variant_runs import relative, run_variants  # noqa: E402
 
 from drmas.launch.report_stats import load_run, spike_stats  # noqa: E402
 
@@ -123,21 +122,10 @@ def diagnostics(folder: Path, seeds: list[int]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
-    p.add_argument("--out", default=str(OUT))
-    p.add_argument("--summarize", action="store_true", help="only recompute from the records")
-    args = p.parse_args()
-    out = Path(args.out)
-    folder = out.with_suffix("")
-    if not args.summarize:
-        for seed in args.seeds:
-            for variant in VARIANTS:
-                train_once(folder, variant, seed,
-                           lambda d, v=variant, s=seed: overrides(v, s, d), measure)  # fmt: skip
-    records = [json.loads(f.read_text()) for f in sorted(folder.glob("*_s*.json"))]
+    out, records = run_variants(__doc__.split("\n\n")[0], OUT, VARIANTS, overrides, measure)
     summary = summarize(records)
     plain_seeds = summary["variants"]["plain"]["seeds"]
+    folder = out.with_suffix("")
     if all((folder / "runs" / f"plain_s{s}").is_dir() for s in plain_seeds):
         summary["spike_diagnostics_plain"] = diagnostics(folder, plain_seeds)
     out.write_text(json.dumps(summary, indent=2))

@@ -9,12 +9,13 @@ paths relative to the repository.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +69,29 @@ def train_once(
     record_path.write_text(json.dumps(record, indent=2))
     print(f"{variant} s{seed}: {wall:.0f} s", flush=True)
     return record
+
+
+def run_variants(
+    description: str,
+    out_default: Path,
+    variants: Iterable[str],
+    overrides: Callable[[str, int, Path], list[str]],
+    measure: Callable[[Path], dict[str, Any]],
+) -> tuple[Path, list[dict[str, Any]]]:
+    """The command line the comparison scripts share (--seeds, --out, --summarize): train
+    every variant on every seed (`train_once`, which resumes run by run) unless --summarize,
+    then return the results file and every run recorded beside it (its folder: the file's
+    name without .json)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    p.add_argument("--out", default=str(out_default))
+    p.add_argument("--summarize", action="store_true", help="only recompute from the records")
+    args = p.parse_args()
+    out = Path(args.out)
+    folder = out.with_suffix("")
+    if not args.summarize:
+        for seed in args.seeds:
+            for variant in variants:
+                train_once(folder, variant, seed,
+                           lambda d, v=variant, s=seed: overrides(v, s, d), measure)  # fmt: skip
+    return out, [json.loads(f.read_text()) for f in sorted(folder.glob("*_s*.json"))]
