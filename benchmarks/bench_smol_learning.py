@@ -15,9 +15,12 @@ Three steps, each a real drmas command under this interpreter (which must have v
    included);
 3. `drmas eval RUN_DIR --step N` on the last checkpoint written within the budget, same
    tasks, settings and seed.
-The result is the difference of the two avg@k with a 95 % interval from their standard
-errors over tasks, taken as independent (the same tasks on both sides makes the true
-interval narrower, so this one is conservative).
+The result is the difference of the two avg@k with a 95 % interval. Both evals score the
+same tasks, so the interval is paired: a Student-t interval over the tasks' own differences
+(after - before, each a task's successes / n), from the eval reports' `per_task`. Reports
+without it (older drmas) get the unpaired interval from the two standard errors, which is
+wider. `--seed S` varies the run's seeds (sampling, learner, task order, adapter init)
+and names the output `smol_math_seed{S}.json`.
 
 `--assemble` builds the same result file from the three JSON files of a run made by hand
 (the eval reports and bench_train's output), plus the run folder named in TRAIN.json's
@@ -35,6 +38,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from study_stats import mean_ci, significant
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = [sys.executable, "-m", "drmas.launch.cli", "eval"]
@@ -83,11 +88,26 @@ def last_checkpoint_within(run_dir: Path, started: float, budget_s: float) -> in
     return max(within)
 
 
+def paired(before: dict, after: dict) -> dict | None:
+    """Mean and 95 % t interval of after - before over the tasks both reports scored."""
+    if "per_task" not in before or "per_task" not in after:
+        return None
+    n_b, n_a = before["settings"]["n"], after["settings"]["n"]
+    common = sorted(set(before["per_task"]) & set(after["per_task"]))
+    diffs = [after["per_task"][t] / n_a - before["per_task"][t] / n_b for t in common]
+    return significant(mean_ci(diffs))
+
+
 def summary(before: dict, train: dict, after: dict, step: int, k: int) -> dict:
     key = f"avg@{k}"
     b, a = before["overall"], after["overall"]
     diff = a[key] - b[key]
     se = math.sqrt(a[f"{key}/se"] ** 2 + b[f"{key}/se"] ** 2)
+    pair = paired(before, after)
+    if pair is not None:
+        ci, sig, how = [pair["lo"], pair["hi"]], pair["significant"], "paired over tasks"
+    else:
+        ci, sig, how = [diff - 1.96 * se, diff + 1.96 * se], abs(diff) > 1.96 * se, "unpaired"
     return {
         "tasks": b["tasks"],
         "settings": before["settings"],
@@ -97,8 +117,10 @@ def summary(before: dict, train: dict, after: dict, step: int, k: int) -> dict:
         f"after/{key}/se": a[f"{key}/se"],
         "after/weights": after["weights"],
         "difference": diff,
-        "difference/ci95": [diff - 1.96 * se, diff + 1.96 * se],
-        "significant": abs(diff) > 1.96 * se,
+        "difference/ci95": ci,
+        "difference/interval": how,
+        "difference/unpaired_ci95": [diff - 1.96 * se, diff + 1.96 * se],
+        "significant": sig,
         "checkpoint_step": step,
         "train": {
             k2: v for k2, v in train.items() if k2 not in ("validation", "summary", "output")
@@ -115,9 +137,15 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--out", default="benchmarks/results/smol_math.json")
     parser.add_argument("--assemble", nargs=3, metavar=("BEFORE", "TRAIN", "AFTER"))
+    parser.add_argument("--seed", type=int, default=0)
     args, overrides = parser.parse_known_args()
     out = Path(args.out)
-    work = out.parent / "smol_math_parts"
+    if args.seed:
+        out = out.with_name(f"{out.stem}_seed{args.seed}{out.suffix}")
+        s = args.seed
+        overrides = [f"actor.seed={s}", f"learner.seed={s}", f"task.order_seed={s}",
+                     f"models.base.lora.init_seed={s}", *overrides]  # fmt: skip
+    work = out.parent / f"{out.stem}_parts"
     if args.assemble:
         before, train, after = (json.loads(Path(p).read_text()) for p in args.assemble)
         step = int(after["weights"]["base"]["from"].rsplit("step", 1)[-1])

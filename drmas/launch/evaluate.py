@@ -15,7 +15,8 @@ source and over all tasks: avg@k, pass@k (the unbiased estimator from n >= k sam
 pass@1, each with its standard error over tasks, the team's own episode metrics, and
 beside them each agent's mean step reward and the team's mean reward (its own pay where a
 team sets Step.reward: drmas/launch/eval_rewards.py).
-Writes JSON (RUN_DIR/eval.json by default) and prints a table. The defaults are the
+Writes JSON (RUN_DIR/eval.json by default; `per_task` keeps each task's successes of n, so
+two reports on the same tasks can be compared task by task) and prints a table. The defaults are the
 paper's evaluation settings: temperature 0.6, top-p 0.95, k = 16.
 
 A learner checkpoint (safetensors shards and JSON, read without pickle) is first exported to a
@@ -402,8 +403,8 @@ async def sample(
 def score(results: Sequence[tuple[Any, ...]], s: EvalSettings) -> dict[str, Any]:
     """Over all tasks and per data source: avg@k, pass@k, pass@1 (± standard error over
     tasks), the team's episode metrics, and each agent's mean step reward beside the
-    team's mean reward (`reward/<agent>`, `team_reward`). `results`: TaskResults, or
-    (task, rewards, metrics) triples."""
+    team's mean reward (`reward/<agent>`, `team_reward`), and `per_task`: each task's
+    successes of n. `results`: TaskResults, or (task, rewards, metrics) triples."""
     rows = [TaskResult(*row) for row in results]
     sources = {r.task.source or "default" for r in rows}
 
@@ -425,6 +426,7 @@ def score(results: Sequence[tuple[Any, ...]], s: EvalSettings) -> dict[str, Any]
     return {
         "overall": table(rows),
         "sources": {src: table(rows) for src, rows in sorted(by_source.items())},
+        "per_task": {r.task.task_id: sum(x >= 1.0 for x in r.rewards) for r in rows},
     }
 
 

@@ -32,6 +32,7 @@ def test_scores_per_source_with_the_unbiased_estimator() -> None:
     assert overall["tasks"] == 3 and overall["avg@2"] == pytest.approx((0.25 + 0 + 0.75) / 3)
     assert overall["turns"] == pytest.approx(2.0)
     assert not any(key.startswith(("aime/", "math500/")) for key in overall)
+    assert report["per_task"] == {"a:0": 1, "a:1": 0, "m:0": 3}
     table = format_table({"settings": {"k": 2}, **report})
     assert "| aime | 2 | 0.125 ± 0.125 | 0.250 ± 0.250 |" in table
     assert "| all | 3 |" in table and "turns 2.000" in table
