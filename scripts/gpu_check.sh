@@ -59,9 +59,9 @@ prepare() {
 
 torch_api() {
   # drmas type-checked against torch 2.11's own Python sources and stubs, the GPU machine's
-  # torch: no 2.11 CPU build is reachable (PyPI's x86_64 2.11 is the CUDA build, about
-  # 2.6 GiB with its nvidia libraries), but the Python files are the same in every wheel,
-  # and the macOS one is 77 MiB. It catches a removed or changed API, not a behaviour.
+  # torch: the Python files are the same in every wheel, and the macOS one is 77 MiB. It
+  # catches a removed or changed API anywhere in the package, not a behaviour (CI's torch
+  # 2.11 stage, .ci/torch211_stage.sh, runs the learner's tests on 2.11 for that).
   local py=$1
   "$py" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
     --platform macosx_11_0_arm64 --python-version 3.11 --implementation cp -d "$work/torch" \
