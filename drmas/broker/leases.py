@@ -38,6 +38,8 @@ class LearnerRecord:
     rank: int
     world_size: int
     last_seen: float
+    host: str = ""  # what its Hello said: named when the seat is left mid-run
+    pid: int = 0
 
 
 @dataclass

@@ -65,8 +65,6 @@ class LearnerSeats(dict[str, LearnerRecord]):
         self.rejoin_s = broker.learner_rejoin_s
         self.versions = versions
         self.steps = steps
-        self.hosts: dict[str, tuple[str, int]] = {}
-        """Client id -> (host, pid) its Hello said."""
         self.vacant: dict[tuple[str, int], Vacancy] = {}
         self.lost = ""
         """Why the run stops: the seats left mid-run and not taken back ("" = none)."""
@@ -109,8 +107,7 @@ class LearnerSeats(dict[str, LearnerRecord]):
         why = self.refusal(client_id, model, rank)
         if why:
             raise ValueError(why)
-        self[client_id] = LearnerRecord(model, rank, world_size, now)
-        self.hosts[client_id] = (host, pid)
+        self[client_id] = LearnerRecord(model, rank, world_size, now, host, pid)
         vacancy = self.vacant.pop((model, rank), None)
         if vacancy is not None:
             log.warning(
@@ -146,11 +143,12 @@ class LearnerSeats(dict[str, LearnerRecord]):
 
     def _vacate(self, client_id: str, record: LearnerRecord, reason: str, now: float) -> None:
         """The seat `client_id` held is free; mid-run, it stays vacant (see the module)."""
-        host, pid = self.hosts.pop(client_id, ("", 0))
         if self.lost or self._finished(record.model):
             return  # the run stops already, or this model's last step is done
         version = self.versions.get(record.model, 0)
-        vacancy = Vacancy(record.model, record.rank, client_id, host, pid, version, reason, now)
+        vacancy = Vacancy(
+            record.model, record.rank, client_id, record.host, record.pid, version, reason, now
+        )
         self.vacant[(record.model, record.rank)] = vacancy
         log.warning(
             "learner %s; the run stops unless a learner takes the seat back within "
