@@ -24,6 +24,7 @@ drmas/learners/trainer.py holds one `AdapterSet` and asks it to
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Collection, Iterable, Iterator
@@ -40,6 +41,7 @@ from drmas.models.lora import (
     activate_adapter,
     adapter_of_param,
     adapter_param_names,
+    adapters_off,
     add_adapters,
     is_adapter_param,
     save_adapter_folder,
@@ -130,6 +132,11 @@ class AdapterSet:
         if adapter != self.active:
             activate_adapter(self.policy, adapter)
             self.active = adapter
+
+    def off(self) -> contextlib.AbstractContextManager[None]:
+        """Forward passes inside run the frozen base alone (the KL reference); the active
+        adapter is back on after."""
+        return adapters_off(self.policy, self.active)
 
     @staticmethod
     def clip(optimizer: torch.optim.Optimizer, max_norm: float) -> float:

@@ -164,10 +164,11 @@ class Trainer:
         return model
 
     def _reference(self) -> PreTrainedModel | None:
-        """The frozen reference of the KL term, None without one (kl_coef 0). Unsharded and
-        only ever run forward under no_grad; in the compute dtype: it never trains, so it
-        needs no fp32 master."""
-        if not self.loss_cfg.kl_coef > 0:
+        """The frozen reference of the KL term, None without one (kl_coef 0) and on a LoRA
+        base (whose reference is the base itself, adapters off: `_reference_logprobs`).
+        Unsharded and only ever run forward under no_grad; in the compute dtype: it never
+        trains, so it needs no fp32 master."""
+        if not self.loss_cfg.kl_coef > 0 or self.lora:
             return None
         reference = model_io.load_causal_lm(self.source, self.publish_dtype, self.device)
         reference.eval().requires_grad_(False)
@@ -335,10 +336,7 @@ class Trainer:
         """`total_*`: the update's real token/sample counts over all ranks (loss normaliser);
         `old_logprobs` None: π_old is the current policy (one update per batch)."""
         logprobs, entropy = self.token_stats(self.model, mb, self.with_entropy)  # [B, L-1]
-        ref_logprobs = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logprobs, _ = self.token_stats(self.reference, mb, False)
+        ref_logprobs = self._reference_logprobs(mb) if self.loss_cfg.kl_coef > 0 else None
         if old_logprobs is None:
             # One update per batch: π_old (the policy the batch is trained from) is exactly
             # the current π_θ before the update, so its log-probs are ours, detached.
@@ -361,6 +359,17 @@ class Trainer:
         metrics["loss"] = loss.detach()
         for key, value in metrics.items():
             sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + value.double().cpu()
+
+    @torch.no_grad()
+    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """The KL reference's log-probs of `mb`: the separate frozen copy, or on a LoRA base
+        the sharded base with every adapter off (after the policy's forward, so FSDP2 has
+        already made the adapters' unsharded parameters, with requires_grad)."""
+        if self.lora:
+            with self.lora.off():
+                return self.token_stats(self.model, mb, False)[0]
+        assert self.reference is not None
+        return self.token_stats(self.reference, mb, False)[0]
 
     def token_stats(
         self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool

@@ -24,13 +24,14 @@ writes a learner checkpoint's adapters as PEFT folders with `write_adapter_folde
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -159,6 +160,21 @@ def activate_adapter(peft_model: PeftModel, adapter: str) -> None:
     for name, param in peft_model.named_parameters():
         if is_adapter_param(name):
             param.requires_grad_(True)
+
+
+@contextlib.contextmanager
+def adapters_off(peft_model: PeftModel, active: str) -> Iterator[None]:
+    """Forward passes inside run the frozen base alone (every adapter switched off, its
+    weights untouched): the KL term's reference on a LoRA base, with no second copy of the
+    base. On leaving, `active` is the adapter in use again and every adapter keeps
+    requires_grad (`activate_adapter`)."""
+    tuner: Any = peft_model.base_model  # peft's LoraModel
+    tuner.disable_adapter_layers()
+    try:
+        yield
+    finally:
+        tuner.enable_adapter_layers()
+        activate_adapter(peft_model, active)
 
 
 def save_adapter_folder(

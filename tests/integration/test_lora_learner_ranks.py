@@ -49,6 +49,9 @@ pytestmark = pytest.mark.slow
 def lora_config(model_dir: Path):  # -> DrmasConfig
     cfg = make_config(model_dir)
     cfg.models[MODEL].lora.rank = 4
+    # The KL term on: its reference is the sharded base with the adapters off, one more
+    # no-grad forward through FSDP2 between each micro-batch's forward and backward.
+    cfg.algorithm.loss.kl_coef = 0.05
     return cfg
 
 

@@ -346,3 +346,32 @@ def test_learner_options_keep_adapters_apart(model_path: Path, group: None, vari
         assert metrics[f"kl/{MODEL}"] == pytest.approx(0.0, abs=1e-9)  # policy = base at start
     if variant == "ppo":
         assert metrics[f"updates/{MODEL}"] == 4.0 and metrics[f"ppo_kl/{MODEL}"] != 0.0
+
+
+def test_kl_reference_is_the_base_with_adapters_off(model_path: Path, group: None) -> None:
+    """With kl_coef > 0 on a LoRA base the reference is the sharded base itself with every
+    adapter switched off, not a second copy: after a step has moved the adapters, it
+    computes exactly the untouched base model, and the agent's adapter is on again after."""
+    from transformers import AutoModelForCausalLM
+
+    from drmas.learners.trainer import Trainer
+    from drmas.models.lora import is_adapter_param
+
+    trainer = Trainer(_variant(lora_config(model_path), "kl"), MODEL, 0, 1, "cpu")
+    assert trainer.reference is None  # no second copy of the base
+    trainer.step(shard_of(make_samples()))
+    second = trainer.step(shard_of(make_samples()))
+    assert second[f"kl/{MODEL}"] > 0.0  # the policy has left the base
+    base = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    ids = torch.tensor([[3, 9, 14, 2, 7, 21]])
+    trainer.use_agent("a")
+    trainer.model.eval()
+    with torch.no_grad():
+        with trainer.lora.off():
+            off = trainer.model(input_ids=ids).logits
+        on = trainer.model(input_ids=ids).logits
+        expected = base(input_ids=ids).logits
+    torch.testing.assert_close(off, expected, rtol=1e-5, atol=1e-5)
+    assert (on - expected).abs().max() > 1e-4  # adapter a is back on
+    adapter_params = [p for n, p in trainer.model.named_parameters() if is_adapter_param(n)]
+    assert adapter_params and all(p.requires_grad for p in adapter_params)
