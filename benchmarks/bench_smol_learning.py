@@ -19,7 +19,7 @@ The result is the difference of the two avg@k with a 95 % interval. Both evals s
 same tasks, so the interval is paired: a Student-t interval over the tasks' own differences
 (after - before, each a task's successes / n), from the eval reports' `per_task`. Reports
 without it (older drmas) get the unpaired interval from the two standard errors, which is
-wider. `--seed S` varies the run's seeds (sampling, learner, task order, adapter init)
+wider. `--seed S` varies the run's seeds (sampling, task order, adapter init)
 and names the output `smol_math_seed{S}.json`.
 
 `--assemble` builds the same result file from the three JSON files of a run made by hand
@@ -138,12 +138,16 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/smol_math.json")
     parser.add_argument("--assemble", nargs=3, metavar=("BEFORE", "TRAIN", "AFTER"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--reuse-before", action="store_true",
+        help="take the untrained eval from an earlier run's parts folder if it is there",
+    )  # fmt: skip
     args, overrides = parser.parse_known_args()
     out = Path(args.out)
     if args.seed:
         out = out.with_name(f"{out.stem}_seed{args.seed}{out.suffix}")
         s = args.seed
-        overrides = [f"actor.seed={s}", f"learner.seed={s}", f"task.order_seed={s}",
+        overrides = [f"actor.engine.seed={s}", f"task.order_seed={s}",
                      f"models.base.lora.init_seed={s}", *overrides]  # fmt: skip
     work = out.parent / f"{out.stem}_parts"
     if args.assemble:
@@ -151,8 +155,11 @@ def main() -> None:
         step = int(after["weights"]["base"]["from"].rsplit("step", 1)[-1])
     else:
         work.mkdir(parents=True, exist_ok=True)
-        before = drmas_eval(["experiment=smol_math", "actor.engine.name=vllm"],
-                            args.tasks, args.k, work / "before.json")  # fmt: skip
+        if args.reuse_before and (work / "before.json").exists():
+            before = json.loads((work / "before.json").read_text())
+        else:
+            before = drmas_eval(["experiment=smol_math", "actor.engine.name=vllm"],
+                                args.tasks, args.k, work / "before.json")  # fmt: skip
         started = time.time()
         budget_s = 60 * args.budget_min
         train = train_within(budget_s, work / "train.json", overrides)
