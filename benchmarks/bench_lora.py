@@ -276,14 +276,25 @@ async def generation(n: int, path: Path, args: argparse.Namespace) -> dict[str, 
                  for j, p in enumerate(prompt_ids)],
         "one_plain_engine": [(plain, GenerateRequest(p, 1.0, 1.0, new)) for p in prompt_ids],
     }  # fmt: skip
+    try:
+        return await compare_ways(ways, new, args.reps)
+    finally:
+        for engine in engines:
+            await engine.close()
+
+
+async def compare_ways(
+    ways: dict[str, list[tuple[Any, Any]]], new: int, reps: int
+) -> dict[str, Any]:
+    """Tokens/s of the ways `lora`, `full` and `one_plain_engine`: a warm-up round of each,
+    then `reps` rounds alternating between them (the same background load); medians and
+    the ratios of lora to the others."""
     runs: dict[str, list[float]] = {way: [] for way in ways}
     for jobs in ways.values():  # warm-up
         await tokens_per_s(jobs, new)
-    for _ in range(args.reps):
+    for _ in range(reps):
         for way, jobs in ways.items():
             runs[way].append(round(await tokens_per_s(jobs, new), 1))
-    for engine in engines:
-        await engine.close()
     median = {way: statistics.median(r) for way, r in runs.items()}
     return {
         "tokens_per_s": median,

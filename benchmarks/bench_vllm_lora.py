@@ -29,13 +29,13 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
+from bench_lora import compare_ways, prompts
+from bench_vllm_engine import NoEosEngine
 
 from drmas.actors.engines.base import GenerateRequest
 from drmas.actors.engines.vllm import VLLMEngine
@@ -46,35 +46,7 @@ from drmas.models.builtin import resolve_model_path
 MODEL = "builtin:smollm2-135m"
 RANK = 8  # as experiment=smol_math
 EAGER = {"enforce_eager": True}  # no torch.compile warm-up: the same for every way
-
-
-class NoEosEngine(VLLMEngine):
-    """VLLMEngine whose requests ignore EOS (benchmark only: fixed token counts)."""
-
-    def _params(self, request: GenerateRequest) -> Any:
-        params = super()._params(request)
-        params.ignore_eos = True
-        return params
-
-
-def prompts(tokenizer: Any, batch: int) -> list[list[int]]:
-    import random
-
-    from drmas.teams.math.transcripts import ARITHMETIC, transcript
-
-    rng = random.Random(0)
-    texts = [transcript(rng, ARITHMETIC, i % 3)[0] for i in range(batch)]
-    return [list(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
-
-
-async def tokens_per_s(jobs: list[tuple[VLLMEngine, GenerateRequest]], new: int) -> float:
-    """Submit every (engine, request) at once, as an actor's episodes do; tokens/s."""
-    start = time.perf_counter()
-    results = await asyncio.gather(*(engine.generate(request) for engine, request in jobs))
-    seconds = time.perf_counter() - start
-    tokens = sum(len(r.token_ids) for r in results)
-    assert tokens == len(jobs) * new, "a request stopped early"
-    return tokens / seconds
+# NoEosEngine (bench_vllm_engine.py): requests ignore EOS, so every one runs to --new-tokens
 
 
 def pss_gb(before: set[int]) -> float:
@@ -112,24 +84,14 @@ async def generation(n: int, path: Path, args: argparse.Namespace) -> dict[str, 
                  for j, p in enumerate(ids)],
         "one_plain_engine": [(plain, GenerateRequest(p, 1.0, 1.0, new)) for p in ids],
     }  # fmt: skip
-    runs: dict[str, list[float]] = {way: [] for way in ways}
     try:
-        for jobs in ways.values():  # warm-up
-            await tokens_per_s(jobs, new)
-        for _ in range(args.reps):
-            for way, jobs in ways.items():
-                runs[way].append(round(await tokens_per_s(jobs, new), 1))
+        result = await compare_ways(ways, new, args.reps)
     finally:
         for engine in [lora_engine, *full_engines, plain]:
             await engine.close()
-    median = {way: statistics.median(r) for way, r in runs.items()}
-    return {
-        "tokens_per_s": median,
-        "ratio_lora_vs_full": round(median["lora"] / median["full"], 3),
-        "ratio_lora_vs_one_plain_engine": round(median["lora"] / median["one_plain_engine"], 3),
+    return result | {
         "engine_pss_gb": {"lora": lora_gb, "full": full_gb, "one_plain_engine": plain_gb},
         "ratio_pss_lora_vs_full": round(lora_gb / full_gb, 3) if full_gb else None,
-        "runs": runs,
     }
 
 
