@@ -15,9 +15,9 @@ source and over all tasks: avg@k, pass@k (the unbiased estimator from n >= k sam
 pass@1, each with its standard error over tasks, the team's own episode metrics, and
 beside them each agent's mean step reward and the team's mean reward (its own pay where a
 team sets Step.reward: drmas/launch/eval_rewards.py).
-Writes JSON (RUN_DIR/eval.json by default; `per_task` keeps each task's successes of n, so
-two reports on the same tasks can be compared task by task) and prints a table. The defaults are the
-paper's evaluation settings: temperature 0.6, top-p 0.95, k = 16.
+Writes JSON (RUN_DIR/eval.json by default; `per_task` keeps each task's successes of n,
+so two reports on the same tasks can be compared task by task) and prints a table. The
+defaults are the paper's evaluation settings: temperature 0.6, top-p 0.95, k = 16.
 
 A learner checkpoint (safetensors shards and JSON, read without pickle) is first exported to a
 Hugging Face folder next to it (step-N/hf), built on the run's starting model folder; on a
