@@ -40,12 +40,42 @@ def load_tokenizers(model_paths: dict[str, str]) -> dict[str, Any]:
     out = {}
     for model, path in model_paths.items():
         try:
-            from transformers import AutoTokenizer
-
-            out[model] = AutoTokenizer.from_pretrained(path)
+            out[model] = _fast_decoder(Path(path)) or _transformers_tokenizer(path)
         except Exception as exc:  # a tokenizer is a convenience here, never a failure
             log.warning("samples: no tokenizer for %s at %s (%s): token ids only", model, path, exc)
     return out
+
+
+class _PlainDecoder:
+    """The folder's tokenizer.json through the `tokenizers` library alone: the same text
+    as transformers' decode where no clean-up is configured, without importing transformers
+    and torch into the broker (seconds of CPU at every start)."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(path))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _fast_decoder(folder: Path) -> _PlainDecoder | None:
+    """The plain decoder where it decodes exactly as transformers would: a tokenizer.json,
+    and no `clean_up_tokenization_spaces` (a transformers-side rewrite of the text)."""
+    config_path = folder / "tokenizer_config.json"
+    if not (folder / "tokenizer.json").is_file() or not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    if config.get("clean_up_tokenization_spaces", False):
+        return None
+    return _PlainDecoder(folder / "tokenizer.json")
+
+
+def _transformers_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 class SampleWriter:

@@ -459,3 +459,42 @@ def test_smollm2_cache_key_follows_its_builder_not_the_warm_start(
     monkeypatch.undo()
     monkeypatch.setattr(smollm, "GGUF_FILE", "SmolLM2-135M-Instruct.Q8_0.gguf")
     assert builtin.cache_key("smollm2-135m", TINY) != key
+
+
+# ------------------------------------------------------- the broker's sample decoder
+def check_broker_decodes_like_transformers(model_folder: Path, tmp_path: Path) -> None:
+    """The broker decodes sampled transcripts with `tokenizers` alone (no transformers or
+    torch in its process): the text is transformers' decode, special tokens included. A
+    folder whose config asks for transformers' space clean-up gets transformers itself."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from drmas.broker.samples import _PlainDecoder, load_tokenizers
+
+    reference = AutoTokenizer.from_pretrained(model_folder)
+    decoder = load_tokenizers({"m": str(model_folder)})["m"]
+    assert isinstance(decoder, _PlainDecoder)
+    rng = random.Random(0)
+    text = "Question: what is 12 + 30? Answer: \\boxed{42}."
+    sequences = [reference(text)["input_ids"], list(reference.all_special_ids)]
+    sequences += [[rng.randrange(len(reference)) for _ in range(40)] for _ in range(50)]
+    for ids in sequences:
+        assert decoder.decode(ids) == reference.decode(ids)
+
+    cleaned = tmp_path / "cleaned"
+    shutil.copytree(model_folder, cleaned)
+    config = json.loads((cleaned / "tokenizer_config.json").read_text())
+    (cleaned / "tokenizer_config.json").write_text(
+        json.dumps({**config, "clean_up_tokenization_spaces": True})
+    )
+    assert not isinstance(load_tokenizers({"m": str(cleaned)})["m"], _PlainDecoder)
+
+
+def test_broker_decodes_tiny_qwen2_like_transformers(folder: Path, tmp_path: Path) -> None:
+    check_broker_decodes_like_transformers(folder, tmp_path)
+
+
+@pytest.mark.slow
+def test_broker_decodes_smollm2_like_transformers(smol: Path, tmp_path: Path) -> None:
+    check_broker_decodes_like_transformers(smol, tmp_path)
