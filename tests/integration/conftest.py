@@ -103,6 +103,15 @@ def status(address: str) -> dict[str, Any]:
     return json.loads(out.stdout)
 
 
+def stop_all(*procs: subprocess.Popen[str] | None) -> None:
+    """Only the processes a test started itself, each with SIGTERM (`drmas train` stops its
+    own children on it), then a wait."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
 def finish(proc: subprocess.Popen[str], timeout: float = 420) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]

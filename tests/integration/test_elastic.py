@@ -27,6 +27,7 @@ from tests.integration.conftest import (
     read_summary,
     start_train,
     status,
+    stop_all,
     wait_for,
 )
 
@@ -49,14 +50,6 @@ def start_actor(run_dir: Path, address: str, actor_id: str, *extra: str) -> subp
 
 def actor_status(address: str, actor_id: str) -> dict[str, Any]:
     return {a["client_id"]: a for a in status(address)["actors"]}.get(actor_id, {})
-
-
-def stop_all(*procs: subprocess.Popen[str] | None) -> None:
-    """Only the processes this test started (drmas train stops its own children)."""
-    for proc in procs:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=60)
 
 
 def check_complete(summary: dict[str, Any], steps: int) -> dict[str, int]:

@@ -30,10 +30,21 @@ from tests.integration.conftest import (
     finish,
     read_summary,
     start_train,
+    stop_all,
     wait_for,
 )
 
 pytestmark = pytest.mark.slow
+
+
+def doomed_actor(run_dir: Path, fault: str, value: str) -> subprocess.Popen[bytes]:
+    """An extra `drmas actor` that SIGKILLs itself at the fault its env variable names."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "drmas.launch.cli", "actor", "--config", str(run_dir / "config.yaml"),
+         "--id", "doomed"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, fault: value},
+    )  # fmt: skip
 
 
 def test_actor_killed_during_a_weight_broadcast_loses_nothing(
@@ -51,19 +62,11 @@ def test_actor_killed_during_a_weight_broadcast_loses_nothing(
     extra = None
     try:
         broker_address(run_dir)
-        extra = subprocess.Popen(
-            [sys.executable, "-m", "drmas.launch.cli", "actor", "--config", str(run_dir / "config.yaml"),
-             "--id", "doomed"],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**os.environ, "DRMAS_FAULT_KILL_IN_WEIGHTS": "solver:3"},
-        )  # fmt: skip
+        extra = doomed_actor(run_dir, "DRMAS_FAULT_KILL_IN_WEIGHTS", "solver:3")
         assert extra.wait(timeout=400) == -signal.SIGKILL  # it died in the broadcast
         finish(train)
     finally:
-        for proc in (train, extra):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=60)
+        stop_all(train, extra)
     summary = read_summary(run_dir)
     c = summary["counters"]
     assert c["actors_lost"] == 1, (summary, run_dir)
@@ -101,12 +104,7 @@ def test_garbage_frames_are_refused_and_an_actor_killed_mid_run_loses_nothing(
         # The extra actor SIGKILLs itself the moment it is granted leases, so it certainly
         # dies holding them (killing it from here after `drmas status` showed leases raced
         # with it returning them: a CI run saw it hold none by the time the kill landed).
-        extra = subprocess.Popen(
-            [sys.executable, "-m", "drmas.launch.cli", "actor", "--config", str(run_dir / "config.yaml"),
-             "--id", "doomed"],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**os.environ, "DRMAS_FAULT_KILL_HOLDING_LEASES": "1"},
-        )  # fmt: skip
+        extra = doomed_actor(run_dir, "DRMAS_FAULT_KILL_HOLDING_LEASES", "1")
         sock.connect(address)
 
         def ask(*frames: bytes):
@@ -142,10 +140,7 @@ def test_garbage_frames_are_refused_and_an_actor_killed_mid_run_loses_nothing(
     finally:
         sock.close()
         ctx.term()
-        for proc in (train, extra):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()  # drmas train stops its children on SIGTERM
-                proc.wait(timeout=60)
+        stop_all(train, extra)
     summary = read_summary(run_dir)
     c = summary["counters"]
     assert c["refused/bad_frame"] >= 2 and c["refused/too_many_parts"] == 1
