@@ -1,10 +1,28 @@
-"""Fixtures shared by the unit and the integration tests."""
+"""Fixtures and session hooks shared by the unit and the integration tests.
+
+At the end of the session, whatever the tests left running that would keep this
+interpreter from exiting (a child process, a non-daemon thread: CI once sat more than
+15 minutes after pytest's summary) is named with its stack, ended, and fails the session;
+an exit that still hangs dumps every thread's stack after EXIT_GRACE_S and ends.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import sys
+import threading
+import time
+import traceback
 from pathlib import Path
 
+import psutil
 import pytest
+
+LEFTOVER_GRACE_S = 10.0
+"""How long a thread or child a test started may take to end after the last test."""
+EXIT_GRACE_S = 120
+"""After pytest is done: an interpreter exit that takes longer is a hang; it is dumped."""
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +31,74 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ones per warm-start setting, SmolLM2 built from its GGUF file) is built once, by the
     first test that needs it."""
     return tmp_path_factory.mktemp("drmas-cache")
+
+
+def _blocking_threads() -> list[threading.Thread]:
+    return [
+        t
+        for t in threading.enumerate()
+        if t is not threading.current_thread() and t.is_alive() and not t.daemon
+    ]
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _leftovers() -> tuple[list[threading.Thread], list[psutil.Process]]:
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while True:
+        threads = _blocking_threads()
+        children = [c for c in psutil.Process().children(recursive=True) if _running(c)]
+        if not (threads or children) or time.monotonic() > deadline:
+            return threads, children
+        time.sleep(0.5)
+
+
+def _describe(threads: list[threading.Thread], children: list[psutil.Process]) -> list[str]:
+    frames = sys._current_frames()
+    lines = []
+    for t in threads:
+        stack = frames.get(t.ident or -1)
+        where = "".join(traceback.format_stack(stack)[-4:]) if stack else "(no frame)\n"
+        lines.append(f"non-daemon thread {t.name!r}, at:\n{where}")
+    for c in children:
+        try:
+            lines.append(f"child process {c.pid}: {' '.join(c.cmdline())[:300]}")
+        except psutil.Error:
+            lines.append(f"child process {c.pid} (gone while being named)")
+    return lines
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    threads, children = _leftovers()
+    if not (threads or children):
+        return
+    report = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [
+        "the tests left these running after the last test; they would keep pytest from "
+        "exiting (the children are killed now; find the test that started them):",
+        *_describe(threads, children),
+    ]
+    if report is not None:
+        report.ensure_newline()
+    for line in lines:
+        if report is not None:
+            report.write_line(line, red=True)
+        else:
+            print(line, file=sys.stderr)
+    for c in children:
+        with contextlib.suppress(psutil.Error):
+            c.kill()
+    if session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A watchdog for the interpreter's own exit (atexit handlers, thread joins)."""
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=2)  # fd 2: stderr
