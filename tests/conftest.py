@@ -1,15 +1,20 @@
 """Fixtures and session hooks shared by the unit and the integration tests.
 
-At the end of the session, whatever the tests left running that would keep this
-interpreter from exiting (a child process, a non-daemon thread: CI once sat more than
-15 minutes after pytest's summary) is named with its stack, ended, and fails the session;
-an exit that still hangs dumps every thread's stack after EXIT_GRACE_S and ends.
+The end of a session is watched, since CI once sat more than 15 minutes after pytest's
+summary (until its stage deadline killed it) with nothing saying why:
+- whatever the tests left running that would keep this interpreter from exiting (a child
+  process, a non-daemon thread) is named with its stack, its processes are killed, and
+  the session fails, so the test that leaked it gets found;
+- an exit that still takes longer than EXIT_GRACE_S prints every thread's stack and ends
+  with the tests' own exit status, so a stall costs minutes, not the CI job.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import os
+import signal
 import sys
 import threading
 import time
@@ -22,7 +27,10 @@ import pytest
 LEFTOVER_GRACE_S = 10.0
 """How long a thread or child a test started may take to end after the last test."""
 EXIT_GRACE_S = 120
-"""After pytest is done: an interpreter exit that takes longer is a hang; it is dumped."""
+"""After pytest is done: an interpreter exit that takes longer is a stall; it is dumped."""
+RESOURCE_TRACKER = "multiprocessing.resource_tracker"
+"""multiprocessing's helper process: it lives as long as pytest and ends with it."""
+_exit_status = {"code": 0}
 
 
 @pytest.fixture(scope="session")
@@ -41,9 +49,11 @@ def _blocking_threads() -> list[threading.Thread]:
     ]
 
 
-def _running(proc: psutil.Process) -> bool:
+def _leaked(proc: psutil.Process) -> bool:
     try:
-        return proc.status() != psutil.STATUS_ZOMBIE
+        return proc.status() != psutil.STATUS_ZOMBIE and RESOURCE_TRACKER not in " ".join(
+            proc.cmdline()
+        )
     except psutil.Error:
         return False
 
@@ -52,7 +62,7 @@ def _leftovers() -> tuple[list[threading.Thread], list[psutil.Process]]:
     deadline = time.monotonic() + LEFTOVER_GRACE_S
     while True:
         threads = _blocking_threads()
-        children = [c for c in psutil.Process().children(recursive=True) if _running(c)]
+        children = [c for c in psutil.Process().children(recursive=True) if _leaked(c)]
         if not (threads or children) or time.monotonic() > deadline:
             return threads, children
         time.sleep(0.5)
@@ -76,6 +86,7 @@ def _describe(threads: list[threading.Thread], children: list[psutil.Process]) -
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     threads, children = _leftovers()
+    _exit_status["code"] = int(session.exitstatus)
     if not (threads or children):
         return
     report = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -96,9 +107,30 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             c.kill()
     if session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    _exit_status["code"] = int(session.exitstatus)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """A watchdog for the interpreter's own exit (atexit handlers, thread joins)."""
-    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=2)  # fd 2: stderr
+    """A watchdog for the interpreter's own exit (thread joins, atexit handlers), and
+    SIGTERM back to its default, which a test that ran a server in this process may
+    have replaced (a stage deadline's SIGTERM must end pytest)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    threading.Thread(target=_end_a_stalled_exit, name="exit-watchdog", daemon=True).start()
+    # the backstop, for a stall where Python threads no longer run
+    faulthandler.dump_traceback_later(EXIT_GRACE_S + 60, exit=True, file=2)  # fd 2: stderr
+
+
+def _end_a_stalled_exit() -> None:
+    time.sleep(EXIT_GRACE_S)
+    code = _exit_status["code"]
+    print(
+        f"pytest's exit stalled for {EXIT_GRACE_S} s after its summary; every thread's stack "
+        f"follows, then it exits with the tests' status ({code})",
+        file=sys.stderr,
+        flush=True,
+    )
+    faulthandler.dump_traceback(file=2, all_threads=True)
+    for line in _describe([], [c for c in psutil.Process().children(recursive=True)]):
+        print(line, file=sys.stderr, flush=True)
+    os._exit(code)
