@@ -133,6 +133,7 @@ def train_worker(rank: int, world_size: int, init: str, cfg, shard_list, out: st
         trainer.save_pretrained(Path(out).with_suffix(".hf"))
         if rank == 0:
             torch.save({"metrics": metrics, "before": before, "after": after, "specs": specs}, out)
+        dist.barrier()  # tear the group down together (see grad_worker)
     finally:
         dist.destroy_process_group()
 
@@ -501,6 +502,10 @@ def grad_worker(rank: int, world_size: int, init: str, cfgs, shard_list, out: st
             }
         if rank == 0:
             torch.save(results, out)
+        # both ranks tear the group down together: on torch 2.11 a rank that destroyed its
+        # gloo group while rank 0 was still saving once aborted ("terminate called without
+        # an active exception", CI's torch 2.11 stage)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

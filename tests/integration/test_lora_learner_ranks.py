@@ -119,6 +119,7 @@ def lora_worker(rank: int, world_size: int, init: str, cfg, runs: dict, out: str
         _check_resume(trainer, rank, world_size, Path(out).with_suffix(".ckpt"))
         if rank == 0:
             torch.save(results, out)
+        dist.barrier()  # tear the group down together (test_fsdp_learner.grad_worker)
     finally:
         dist.destroy_process_group()
 
