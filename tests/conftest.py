@@ -86,9 +86,14 @@ def _describe(threads: list[threading.Thread], children: list[psutil.Process]) -
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     threads, children = _leftovers()
+    if threads or children:
+        _report_and_kill(session, threads, children)
     _exit_status["code"] = int(session.exitstatus)
-    if not (threads or children):
-        return
+
+
+def _report_and_kill(
+    session: pytest.Session, threads: list[threading.Thread], children: list[psutil.Process]
+) -> None:
     report = session.config.pluginmanager.get_plugin("terminalreporter")
     lines = [
         "the tests left these running after the last test; they would keep pytest from "
@@ -107,7 +112,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             c.kill()
     if session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    _exit_status["code"] = int(session.exitstatus)
 
 
 @pytest.hookimpl(trylast=True)
@@ -131,6 +135,6 @@ def _end_a_stalled_exit() -> None:
         flush=True,
     )
     faulthandler.dump_traceback(file=2, all_threads=True)
-    for line in _describe([], [c for c in psutil.Process().children(recursive=True)]):
+    for line in _describe([], psutil.Process().children(recursive=True)):
         print(line, file=sys.stderr, flush=True)
     os._exit(code)
