@@ -65,7 +65,9 @@ torch_api() {
   # torch: the Python files are the same in every wheel, and the macOS one is 77 MiB. It
   # catches a removed or changed API anywhere in the package, not a behaviour (CI's torch
   # 2.11 stage, .ci/torch211_stage.sh, runs the learner's tests on 2.11 for that).
-  local py=$1
+  local py=${PYTHON:-.venv/bin/python}
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
   "$py" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
     --platform macosx_11_0_arm64 --python-version 3.11 --implementation cp -d "$work/torch" \
     torch==2.11.0 2> "$work/pip.log" || { cat "$work/pip.log"; exit 1; }
@@ -73,7 +75,7 @@ torch_api() {
 z = zipfile.ZipFile(sys.argv[1])
 z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('torch/') and n.endswith(('.py', '.pyi', 'py.typed'))])" \
     "$work"/torch/torch-2.11.0-*.whl "$work/torch211"
-  MYPYPATH="$work/torch211" "$py" -m mypy --no-warn-unused-ignores --cache-dir .mypy_cache/torch-2.11 \
+  MYPYPATH="$work/torch211" "$py" -m mypy --no-warn-unused-ignores --cache-dir "$work/mypy-cache" \
     drmas > "$work/mypy.txt" 2>&1 || true
   grep -q "^$work/torch211/torch/" "$work/mypy.txt" \
     || { tail -n 5 "$work/mypy.txt"; echo "FAILED torch 2.11 API: mypy did not read torch 2.11"; exit 1; }
@@ -137,11 +139,7 @@ gpu_run() {
 case "${1:-}" in
   --prepare) prepare ;;
   --dry-run) shift && dry_run "$@" ;;
-  --torch-api)
-    work=$(mktemp -d)
-    trap 'rm -rf "$work"' EXIT
-    torch_api "${PYTHON:-.venv/bin/python}"
-    ;;
+  --torch-api) torch_api ;;
   "" | -*) sed -n '7,24p' "$0" >&2 && exit 2 ;;
   *) gpu_run "$@" ;;
 esac
