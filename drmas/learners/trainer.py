@@ -4,7 +4,8 @@ Every public method except `param_specs` and `use_agent` is a collective of the 
 learner group: all ranks call it, in the same order, or the group hangs until its timeout.
 Loading the model and gathering it out again (publish, final save) are
 drmas/learners/model_io.py's. On a LoRA base (models.<m>.lora.rank > 0) the base is
-frozen and each agent trains its adapter: drmas/learners/adapters.py says how.
+frozen and each agent trains its adapter: drmas/learners/adapters.py says how. How a batch
+shard becomes the updates and micro-batches `step` runs is drmas/learners/updates.py's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -23,10 +23,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from drmas.learners import model_io
+from drmas.learners import model_io, updates
 from drmas.learners.adapters import AdapterSet
-from drmas.learners.batching import MicroBatch, empty_micro_batch, split_by_agent
+from drmas.learners.batching import MicroBatch
 from drmas.learners.loss import policy_loss, token_logprobs_and_entropy
+from drmas.learners.updates import MiniBatch
 from drmas.protocol.arrays import unpack_ids
 from drmas.protocol.messages import BatchShard
 from drmas.transports.weights import TensorSpec
@@ -51,17 +52,6 @@ _TOKEN_MEANS = {
 
 def _nothing() -> None:
     pass
-
-
-@dataclass
-class _MiniBatch:
-    """One optimizer update's share of this rank's shard."""
-
-    plan: dict[str, list[MicroBatch]]  # micro-batches per agent (same counts on every rank)
-    tokens: int  # real response tokens of the update over all ranks
-    samples: int  # real sequences of the update over all ranks
-    # π_old per micro-batch of each agent; empty with one update per batch
-    old_logprobs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
 def precision_plan(precision: str) -> tuple[torch.dtype, MixedPrecisionPolicy | None]:
@@ -208,7 +198,7 @@ class Trainer:
         return metrics
 
     def _update(
-        self, mini: _MiniBatch, sums: dict[str, torch.Tensor], tick: Callable[[], None]
+        self, mini: MiniBatch, sums: dict[str, torch.Tensor], tick: Callable[[], None]
     ) -> tuple[float, torch.Tensor]:
         """One optimizer update on one mini-batch: (pre-clip grad norm, per-agent grad²)."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -236,51 +226,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, agent_sq
 
-    def _minibatches(self, shard: BatchShard) -> list[_MiniBatch]:
-        """This rank's shard dealt into `ppo_minibatches` parts (sample i -> part i mod M;
-        shards are sorted longest first, so parts get similar lengths), each planned into
-        micro-batches, with the part's real token and sample counts over ALL ranks (its
-        loss normaliser). Parts that are empty on every rank are left out."""
-        count = min(self.cfg.learner.ppo_minibatches, max(1, len(shard.samples)))
-        parts = []
-        for m in range(count):
-            rows = list(range(m, len(shard.samples), count))
-            parts.append(
-                BatchShard(
-                    shard.model,
-                    shard.version,
-                    shard.rank,
-                    shard.world_size,
-                    [shard.samples[i] for i in rows],
-                    [shard.weights[i] for i in rows],
-                    shard.total_samples,
-                    shard.total_tokens,
-                )
-            )
-        if count == 1:  # the batch's own totals (they already cover every rank)
-            totals = [(shard.total_tokens, shard.total_samples)]
-        else:
-            counts = torch.tensor(
-                [
-                    [
-                        sum(len(s.response_ids) // 4 for s, w in zip(p.samples, p.weights) if w),
-                        sum(1 for w in p.weights if w),
-                    ]
-                    for p in parts
-                ],
-                dtype=torch.int64,
-                device=self.device,
-            )  # [M, 2] real tokens, real samples of each part on this rank
-            dist.all_reduce(counts)
-            totals = [(int(t), int(n)) for t, n in counts.cpu().tolist()]
-        return [
-            _MiniBatch(self._plan(part), max(tokens, 1), max(samples, 1))
-            for part, (tokens, samples) in zip(parts, totals)
-            if samples > 0
-        ]
+    def _minibatches(self, shard: BatchShard) -> list[MiniBatch]:
+        """This rank's shard as the batch's optimizer updates (a collective: updates.deal)."""
+        return updates.deal(shard, self.agents, self.cfg.learner, self.pad_id, self.device)
 
     @torch.no_grad()
-    def _fix_old_logprobs(self, minibatches: list[_MiniBatch], tick: Callable[[], None]) -> None:
+    def _fix_old_logprobs(self, minibatches: list[MiniBatch], tick: Callable[[], None]) -> None:
         """π_old's log-probs of every micro-batch, before any update of this batch."""
         for mini in minibatches:
             for agent in self.agents:
@@ -306,24 +257,6 @@ class Trainer:
                     raise ValueError(
                         f"{s.agent} sample has a token id outside [0, {self.vocab_size})"
                     )
-
-    def _plan(self, shard: BatchShard) -> dict[str, list[MicroBatch]]:
-        """Micro-batches by agent, padded with empty ones so that every rank runs the same
-        number of forward/backward calls per agent (FSDP's collectives must line up)."""
-        learner = self.cfg.learner
-        plan = split_by_agent(
-            shard,
-            self.agents,
-            learner.micro_batch_size,
-            self.pad_id,
-            learner.micro_batch_tokens,
-            learner.pack,
-        )
-        counts = torch.tensor([len(plan[a]) for a in self.agents], device=self.device)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # (on the device: NCCL needs CUDA)
-        for agent, count in zip(self.agents, counts.tolist()):
-            plan[agent] += [empty_micro_batch(agent, self.pad_id)] * (count - len(plan[agent]))
-        return plan
 
     def _forward_backward(
         self,
