@@ -8,6 +8,7 @@ Owns, one component per concern:
   a seat left mid-run and not taken back sets `learners.lost`, which stops the run);
 - the task source and validation rounds: `validation` (drmas/broker/evaluation.py);
 - one buffer per model (drmas/broker/buffers.py), cut into batches;
+- who may take a training group now: `admission` (drmas/broker/admission.py);
 - weight publishing and digests: `weights` (drmas/broker/publishing.py);
 - each LoRA base's adapter versions: `adapter_versions` (drmas/broker/adapter_versions.py);
 - the models' versions, counters and metrics lines (drmas/broker/metrics.py).
@@ -15,7 +16,8 @@ Owns, one component per concern:
 (the file and its consistency with the learners' checkpoints: drmas/broker/checkpoint.py).
 Rules:
 - admission: train groups in flight + buffered <= (η + 1) · B, and an actor gets a lease
-  only if its weights are fresh enough for the batch that lease will land in;
+  only if its weights are fresh enough for the batch that lease will land in (checked by
+  `admission` before each lease);
 - staleness: a slice that would train version v_l more than η after it was generated (on
   a LoRA base: in the versions of its steps' adapters) is dropped when its batch is cut,
   counted, and its task re-queued;
@@ -34,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from drmas.broker.adapter_versions import AdapterVersions
+from drmas.broker.admission import Admission
 from drmas.broker.buffers import ModelBuffer, split_group
 from drmas.broker.evaluation import Validation
 from drmas.broker.leases import ActorRecord, LeaseRecord, LeaseTable
@@ -92,6 +95,9 @@ class BrokerState:
         self.learners = LearnerSeats(cfg.broker, self.versions, cfg.train.steps)
         self.metrics = metrics or StepMetrics(NullSink(), self.models)
         self.counters: collections.Counter[str] = collections.Counter()
+        self.admission = Admission(
+            cfg.train.steps, cfg.batch_groups, eta, self.table, self.buffers, self.counters
+        )
         self.zero_variance = ZeroVarianceFilter(cfg, self.counters)
         self.trained_groups: dict[str, set[int]] = {m: set() for m in self.models}
         # (model, version, group id, task id) per trained group, until a checkpoint holds it
@@ -101,8 +107,6 @@ class BrokerState:
         self.weights = WeightPublishing(
             cfg, self.table.actors, self.versions, self.counters, self.metrics, history
         )
-        # actor -> {model: version} it must hold before its first lease (attached mid-run)
-        self.attach_versions: dict[str, dict[str, int]] = {}
         self.train_sampling = SamplingParams(
             cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens
         )
@@ -131,7 +135,7 @@ class BrokerState:
         self.counters["actors_joined"] += 1
         # An actor attaching mid-run first gets the current weights (the next publish, or
         # a re-publish to stale actors) and only then leases: no group of it is too stale.
-        self.attach_versions[client_id] = {m: v for m, v in self.versions.items() if v > 0}
+        self.admission.attached(client_id, self.versions)
 
     def add_learner(
         self, cid: str, model: str, rank: int, size: int, now: float, host: str = "", pid: int = 0
@@ -154,7 +158,7 @@ class BrokerState:
         return False
 
     def drop_actor(self, client_id: str, why: str) -> None:
-        self.attach_versions.pop(client_id, None)
+        self.admission.forget(client_id)
         for record in self.table.remove_actor(client_id):
             self._requeue(record.task, record.eval_round)
             self.counters["leases_reissued"] += 1
@@ -203,48 +207,12 @@ class BrokerState:
             self.validation.requeue(task, eval_round)
 
     # ---------------------------------------------------------------- leases
-    def _training(self) -> list[ModelBuffer]:
-        """Buffers of models that still have batches to cut. A model whose agents are not
-        called in every episode (the search team's Search Agent) fills its batches more
-        slowly than the others; once those have cut all train.steps batches, their buffers
-        must stop counting, or admission would starve the slow model."""
-        steps = self.cfg.train.steps
-        return [b for b in self.buffers.values() if b.batches_cut < steps]
-
-    def _buffered(self) -> int:
-        return max((len(b.slices) for b in self._training()), default=0)
-
-    def _groups_needed(self) -> int:
-        steps, B = self.cfg.train.steps, self.cfg.batch_groups
-        inflight = self.table.in_flight()
-        return max(
-            steps * B - b.batches_cut * B - len(b.slices) - inflight for b in self.buffers.values()
-        )
-
-    def _refusal(self, actor: ActorRecord) -> str:
-        """Why this actor may not take another training group now ("" = it may)."""
-        eta, B = self.cfg.algorithm.max_staleness, self.cfg.batch_groups
-        if self._groups_needed() <= 0:
-            return "enough groups for train.steps are in flight or buffered"
-        inflight = self.table.in_flight()
-        if inflight + self._buffered() >= (eta + 1) * B:
-            return (
-                f"admission control: {inflight} in flight + {self._buffered()} buffered >= (η+1)·B"
-            )
-        for buf in self._training():
-            m = buf.model
-            target = buf.batches_cut + (inflight + len(buf.slices)) // B
-            held = actor.versions.get(m, 0)
-            if held < target - eta:
-                return f"waiting for weights: actor has {m} v{held}, next batch needs >= v{target - eta}"
-        return ""
-
     def lease(
         self, client_id: str, max_groups: int, versions: dict[str, int], now: float
     ) -> Leases:
         actor = self.table.actors[client_id]
         self.seen(client_id, now, versions)
-        waiting = self._attach_wait(actor)
+        waiting = self.admission.attach_wait(actor)
         if waiting:
             return Leases(leases=[], retry_after_s=0.2, reason=waiting)
         out: list[Lease] = []
@@ -267,7 +235,7 @@ class BrokerState:
                 )
             )
         while len(out) < max_groups:
-            reason = self._refusal(actor)
+            reason = self.admission.refusal(actor)
             if reason:
                 break
             out.append(
@@ -282,20 +250,6 @@ class BrokerState:
         if out:
             self.counters["leases_issued"] += len(out)
         return Leases(leases=out, retry_after_s=0.0 if out else 0.1, reason=reason)
-
-    def _attach_wait(self, actor: ActorRecord) -> str:
-        """Why an actor that attached mid-run gets no lease yet ("" once it holds, for every
-        model, at least the version current when it said Hello)."""
-        need = self.attach_versions.get(actor.client_id)
-        if not need:
-            return ""
-        held = actor.versions
-        behind = [f"{m} v{held.get(m, 0)} < v{v}" for m, v in need.items() if held.get(m, 0) < v]
-        if behind:
-            return f"attached mid-run, waiting for the current weights: {', '.join(behind)}"
-        del self.attach_versions[actor.client_id]
-        self.counters["actors_synced_on_attach"] += 1
-        return ""
 
     def accept(self, client_id: str, result: GroupResult, now: float) -> str:
         """Take a finished group, looking up its lease (see `accept_leased`)."""

@@ -62,6 +62,38 @@ def test_synchronous_eta0_waits_for_fresh_weights():
     assert len(fresh.leases) == 2
 
 
+def test_an_actor_attaching_mid_run_waits_for_the_current_weights():
+    st = make_state("algorithm.max_staleness=2")
+    st.versions.update(solver=2, verifier=1)  # the models have trained: a mid-run Hello
+    st.add_actor("late", "h", 1, ["solver", "verifier"], 0.0)
+    # η = 2 would admit a v0 actor's groups, but an attaching actor waits for the weights
+    # current at its Hello, model by model
+    waiting = st.lease("late", 4, {"solver": 0, "verifier": 1}, 0.0)
+    assert waiting.leases == []
+    assert waiting.reason == ("attached mid-run, waiting for the current weights: solver v0 < v2")
+    assert st.counters["actors_synced_on_attach"] == 0
+    synced = st.lease("late", 4, {"solver": 2, "verifier": 1}, 0.0)
+    assert synced.leases and st.counters["actors_synced_on_attach"] == 1
+    # once synced, only the ordinary rules apply (its wait is not asked again)
+    assert st.lease("late", 1, {"solver": 2, "verifier": 1}, 0.0).reason == ""
+    # an actor present from the start (all models at v0) never waits
+    fresh = make_state()
+    fresh.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    assert fresh.lease("a", 1, {"solver": 0, "verifier": 0}, 0.0).leases
+
+
+def test_no_more_groups_are_leased_than_train_steps_need():
+    st = make_state("algorithm.max_staleness=10")  # admission control would allow 22
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    leases = st.lease("a", 100, {"solver": 0, "verifier": 0}, 0.0)
+    assert len(leases.leases) == 6  # train.steps · B = 3 · 2
+    assert leases.reason == "enough groups for train.steps are in flight or buffered"
+    # a group handed back is needed again
+    st.hand_back("a", [leases.leases[0].lease_id])
+    again = st.lease("a", 100, {"solver": 0, "verifier": 0}, 0.0)
+    assert [le.task.task_id for le in again.leases] == [leases.leases[0].task.task_id]
+
+
 def test_batch_cut_shards_equal_counts_with_zero_weight_padding():
     st = make_state("group_size=3")
     st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
