@@ -3,7 +3,8 @@ the broker, take FSDP2 optimizer steps, and publish the new weights to the actor
 
     entry.py       the one start of a learner rank: its place in the group, threads, exit
     main.py        Learner: setup -> loop(pull shard, step, publish) -> cleanup
-    trainer.py     FSDP2 model, optimizer, one step; batching.py: shards -> micro-batches
+    trainer.py     FSDP2 model, optimizer, one step
+    updates.py     a shard -> the step's optimizer updates; batching.py: -> micro-batches
     adapters.py    a LoRA base: frozen base, one adapter per agent, only adapters published
     loss.py        PPO clipped surrogate with dual clip and off-policy correction
     model_io.py    the model in (HF folder) and out (full tensors, HF folder)
