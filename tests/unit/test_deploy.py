@@ -89,8 +89,17 @@ def test_a_slurm_task_takes_the_cpus_slurm_gave_it(
     assert task_threads(environ) == expected
 
 
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported (find_spec of a submodule raises when its parent
+    package is missing too: hydra_plugins is only there with a Hydra plug-in)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 @pytest.mark.skipif(
-    importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
+    not _installed("hydra_plugins.hydra_submitit_launcher"),
     reason="hydra-submitit-launcher not installed (pip install 'drmas[slurm]')",
 )
 def test_slurm_launch_config_composes_with_the_submitit_launcher() -> None:
