@@ -27,7 +27,6 @@ from drmas.learners import model_io, updates
 from drmas.learners.adapters import AdapterSet
 from drmas.learners.batching import MicroBatch
 from drmas.learners.loss import policy_loss, token_logprobs_and_entropy
-from drmas.learners.updates import MiniBatch
 from drmas.protocol.arrays import unpack_ids
 from drmas.protocol.messages import BatchShard
 from drmas.transports.weights import TensorSpec
@@ -198,7 +197,7 @@ class Trainer:
         return metrics
 
     def _update(
-        self, mini: MiniBatch, sums: dict[str, torch.Tensor], tick: Callable[[], None]
+        self, mini: updates.MiniBatch, sums: dict[str, torch.Tensor], tick: Callable[[], None]
     ) -> tuple[float, torch.Tensor]:
         """One optimizer update on one mini-batch: (pre-clip grad norm, per-agent grad²)."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -226,12 +225,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, agent_sq
 
-    def _minibatches(self, shard: BatchShard) -> list[MiniBatch]:
+    def _minibatches(self, shard: BatchShard) -> list[updates.MiniBatch]:
         """This rank's shard as the batch's optimizer updates (a collective: updates.deal)."""
         return updates.deal(shard, self.agents, self.cfg.learner, self.pad_id, self.device)
 
     @torch.no_grad()
-    def _fix_old_logprobs(self, minibatches: list[MiniBatch], tick: Callable[[], None]) -> None:
+    def _fix_old_logprobs(
+        self, minibatches: list[updates.MiniBatch], tick: Callable[[], None]
+    ) -> None:
         """π_old's log-probs of every micro-batch, before any update of this batch."""
         for mini in minibatches:
             for agent in self.agents:
