@@ -74,6 +74,8 @@ from drmas.transports.security import key_roles, keys_dir
 log = logging.getLogger("drmas.broker")
 _NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's flag enums cost microseconds per message
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
+SHUTDOWN_LINGER_MS = 1000
+"""At close, after a Shutdown broadcast: how long the socket may take to deliver it."""
 
 
 def vocab_sizes(cfg: DrmasConfig) -> dict[str, int]:
@@ -146,7 +148,11 @@ class BrokerServer:
             self.sock, frames, self.connections, self.state.counters, self.gate_role,
             self.leases_held,
         )  # fmt: skip
-        self._stop = False
+        self._stop = ""
+        """Why serve() stops before training is done: the signal's name, or empty. It then
+        tells every client Shutdown and serves on until the learners have said Goodbye
+        (they save first), at most until _stop_by."""
+        self._stop_by = 0.0
         self._shutdown_sent = False
         log.info("broker listening on %s (run %s)", self.address, self.state.run_id)
 
@@ -165,7 +171,12 @@ class BrokerServer:
 
     # ------------------------------------------------------------------ loop
     def serve(self, max_seconds: float | None = None) -> None:
-        """Serve until SIGTERM/SIGINT, or training is done and every learner has left.
+        """Serve until training is done, or a SIGTERM/SIGINT, and every learner has left.
+
+        A stop from outside (drmas train's Ctrl-C, a scheduler's SIGTERM) is graceful: every
+        client, actors attached from other nodes included, is told Shutdown at once and
+        stops cleanly; the learners finish their step and save before they say Goodbye,
+        for at most broker.stop_grace_s (a second signal stops the broker at once).
 
         Owns the process from here: applies the broker's garbage-collector settings.
         """
@@ -174,7 +185,7 @@ class BrokerServer:
         last_reap = 0.0
         try:
             watch = self.intake.watch
-            while not self._stop:
+            while True:
                 if self.sock.poll(watch.poll_ms):
                     self.drain()
                 self.connections.poll()
@@ -189,16 +200,24 @@ class BrokerServer:
                     self.flush_samples()
                     self.cpu.add("reap", time.thread_time() - started)
                     last_reap = now
-                stop = "training finished" if self.state.done else self.state.learners.lost
+                stop = (
+                    "training finished"
+                    if self.state.done
+                    else self.state.learners.lost  # drmas/broker/seats.py
+                    or (self._stop and f"the broker was stopped ({self._stop})")
+                )
                 if stop and not self._shutdown_sent:
-                    self.broadcast_shutdown(stop)  # a lost learner: drmas/broker/seats.py
+                    self.broadcast_shutdown(stop)
                 if self._shutdown_sent and not self.state.active_learners(now):
                     break  # every learner said Goodbye (or has been gone for long)
+                if self._stop and now > self._stop_by:
+                    log.warning("broker stopping (%s) with learners still at work", self._stop)
+                    break
                 if deadline and now > deadline:
                     log.warning("broker stopping: max_seconds=%s reached", max_seconds)
                     break
         finally:
-            self.close()
+            self.close(linger_ms=SHUTDOWN_LINGER_MS if self._shutdown_sent else 0)
 
     def drain(self, max_messages: int = 256) -> None:
         """Handle what is queued (up to max_messages, so liveness checks still run); the
@@ -237,12 +256,16 @@ class BrokerServer:
 
     def install_signal_handlers(self) -> None:
         def stop(signum: int, _frame: object) -> None:
-            self._stop = True
+            # the first signal: a graceful stop (serve's loop); a second: stop now
+            self._stop_by = time.monotonic() + (0.0 if self._stop else self.cfg.broker.stop_grace_s)
+            self._stop = signal.Signals(signum).name
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Save, write the summary, close. `linger_ms`: how long the socket may still take
+        to deliver what is queued (the Shutdowns just broadcast), bounded."""
         self.checkpoints.save(self.state, "broker stopping")
         if self.samples is not None and self.samples.pending:
             self.samples.ready.wait(30)  # explicit bound: a run that ends early keeps its sample
@@ -262,7 +285,7 @@ class BrokerServer:
             }
             (self.run_dir / "broker_summary.json").write_text(json.dumps(summary, indent=2))
         self.connections.close()
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)
         self.ctx.term()
 
     def broadcast_shutdown(self, reason: str) -> None:

@@ -62,6 +62,9 @@ class BrokerConfig:
     long (a restart says Hello under its own id); otherwise the broker stops the run,
     naming the rank and why it left, and exits non-zero: the other learners save a
     checkpoint, and `run.resume=RUN_DIR` continues the run."""
+    stop_grace_s: Seconds = 60.0
+    """Stopped by SIGTERM/SIGINT, the broker tells every client Shutdown, then waits this
+    long at most for the learners to save and say Goodbye (a second signal: at once)."""
     max_actors: Positive = 1024
     """Actors registered at once; a Hello beyond it is refused."""
     max_connections_per_host: Positive = 256

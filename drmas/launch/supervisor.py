@@ -65,11 +65,25 @@ class Supervisor:
     def alive(self, role: str) -> list[Child]:
         return [c for c in self.children if c.role == role and c.proc.poll() is None]
 
-    def stop(self, children: list[Child] | None = None, grace_s: float = 10.0) -> None:
-        """SIGTERM each child's process group, wait up to grace_s, then SIGKILL."""
+    def stop(
+        self,
+        children: list[Child] | None = None,
+        grace_s: float = 10.0,
+        insist_after_s: float | None = None,
+    ) -> None:
+        """SIGTERM each child's process group, wait up to grace_s, then SIGKILL. With
+        `insist_after_s`, a child still running that long after the first SIGTERM gets a
+        second one (a broker takes it as "stop now, wait for nobody")."""
         targets = [c for c in (children or self.children) if c.proc.poll() is None]
         for child in targets:
             _signal_group(child.proc.pid, signal.SIGTERM)
+        if insist_after_s is not None:
+            insist_by = time.monotonic() + insist_after_s
+            for child in targets:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(timeout=max(0.0, insist_by - time.monotonic()))
+                if child.proc.poll() is None:
+                    _signal_group(child.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for child in targets:
             try:

@@ -283,7 +283,12 @@ def run_children(cfg: DrmasConfig, run_dir: Path, placement: Placement | None) -
         if code == 0:
             _await_broker(sup, progress, timeout_s=120.0)
     finally:
-        sup.stop()
+        # The broker last. Stopped, it tells every client still connected (actors attached
+        # from elsewhere) Shutdown and ends once the learners have said Goodbye; those are
+        # stopped already, and one that died without a Goodbye cannot come back, so a
+        # second signal after a moment tells it to wait for nobody (drmas/broker/server.py)
+        sup.stop([c for c in sup.children if c.role != "broker"])
+        sup.stop(insist_after_s=2.0)
         progress.close()
     return code
 

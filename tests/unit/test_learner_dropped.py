@@ -31,7 +31,7 @@ def serving(tmp_path: Path) -> Iterator[BrokerServer]:
         try:
             yield srv
         finally:
-            srv._stop = True
+            srv._stop = "the test is over"
             loop.join(timeout=10)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import signal
 import threading
 from pathlib import Path
 
@@ -144,7 +146,7 @@ def test_the_broker_loop_stops_a_run_that_lost_a_learner(tmp_path: Path) -> None
         loop.join(20)
         assert not loop.is_alive(), "the broker did not end once the learners had left"
     finally:
-        server._stop = True
+        server._stop = "the test is over"
         loop.join(10)
         for peer in peers.values():
             peer.close()
@@ -152,3 +154,85 @@ def test_the_broker_loop_stops_a_run_that_lost_a_learner(tmp_path: Path) -> None
     assert summary["done"] is False
     assert summary["learner_lost"] == server.state.learners.lost
     assert "solver rank 0" in summary["learner_lost"] and "Slurm job 812" in summary["learner_lost"]
+
+
+def test_a_signal_stops_the_broker_gracefully(tmp_path: Path) -> None:
+    """SIGTERM to the broker (drmas train's Ctrl-C, a scheduler's stop): every client, an
+    actor attached from elsewhere too, is told Shutdown at once; the broker serves on
+    while a learner is still at work (it saves before it leaves), and ends when the last
+    learner says Goodbye, with broker_summary.json written."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    cfg = load_config(
+        [f"models.solver.path={folder}", f"models.verifier.path={folder}", "val.every=0",
+         "train.steps=3", "group_size=2", "batch_groups=2", "logger=[]",
+         f"run.dir={tmp_path / 'run'}"]
+    )  # fmt: skip
+    (tmp_path / "run").mkdir()
+    server = BrokerServer(cfg, tmp_path / "run")
+    previous = signal.getsignal(signal.SIGTERM)
+    server.install_signal_handlers()  # this thread's: the loop runs in another
+    loop = threading.Thread(target=server.serve, kwargs={"max_seconds": 60}, daemon=True)
+    loop.start()
+    peers = {}
+    try:
+        for cid, role, models in [
+            ("learner-solver-0", "learner", ["solver"]),
+            ("learner-verifier-0", "learner", ["verifier"]),
+            ("extra-actor", "actor", ["solver", "verifier"]),
+        ]:
+            peers[cid] = BrokerClient(server.address, cid)
+            peers[cid].hello(role, models, timeout_s=10)  # type: ignore[arg-type]
+        os.kill(os.getpid(), signal.SIGTERM)
+        for peer in peers.values():
+            told = peer.recv(20)
+            assert isinstance(told, Shutdown), told
+            assert told.reason == "the broker was stopped (SIGTERM)"
+        peers["learner-solver-0"].send(Goodbye("learner-solver-0"))
+        loop.join(2)
+        assert loop.is_alive(), "the broker ended while the verifier's learner was at work"
+        peers["learner-verifier-0"].send(Goodbye("learner-verifier-0"))
+        loop.join(20)
+        assert not loop.is_alive(), "the broker did not end once the learners had left"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server._stop = "the test is over"
+        loop.join(10)
+        for peer in peers.values():
+            peer.close()
+    summary = json.loads((tmp_path / "run" / "broker_summary.json").read_text())
+    assert summary["done"] is False and summary["leases"]["balanced"] == 1
+
+
+def test_a_second_signal_stops_the_broker_at_once(tmp_path: Path) -> None:
+    """A learner that never leaves cannot hold a stopped broker: a second signal ends it
+    without waiting for broker.stop_grace_s."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    cfg = load_config(
+        [f"models.solver.path={folder}", f"models.verifier.path={folder}", "val.every=0",
+         "train.steps=3", "group_size=2", "batch_groups=2", "logger=[]",
+         "broker.stop_grace_s=600"]
+    )  # fmt: skip
+    server = BrokerServer(cfg, None)
+    previous = signal.getsignal(signal.SIGTERM)
+    server.install_signal_handlers()
+    loop = threading.Thread(target=server.serve, kwargs={"max_seconds": 120}, daemon=True)
+    loop.start()
+    learner = BrokerClient(server.address, "learner-solver-0")
+    try:
+        learner.hello("learner", ["solver"], timeout_s=10)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert isinstance(learner.recv(20), Shutdown)
+        loop.join(1)
+        assert loop.is_alive()  # the learner is still at work: the broker waits
+        os.kill(os.getpid(), signal.SIGTERM)
+        loop.join(20)
+        assert not loop.is_alive(), "a second SIGTERM did not stop the broker"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server._stop = "the test is over"
+        loop.join(10)
+        learner.close()

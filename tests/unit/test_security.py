@@ -309,6 +309,6 @@ def test_a_key_bound_to_a_role_cannot_take_another(tmp_path: Path) -> None:
         counters = ops.request(StatusRequest(), StatusReply, 10).counters
         assert counters["refused/forbidden"] == 5 and counters["actors_joined"] == 2
     finally:
-        server._stop = True
+        server._stop = "the test is over"
         loop.join(timeout=10)
     time.sleep(0)
