@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -98,7 +99,8 @@ def broker_address(run_dir: Path, timeout: float = 240) -> str:
 
 
 def status(address: str) -> dict[str, Any]:
-    out = drmas("status", address, "--json", "--timeout", "10", timeout=30)
+    # a loaded machine may take seconds to start the CLI and the broker to answer
+    out = drmas("status", address, "--json", "--timeout", "30", timeout=90)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -110,6 +112,39 @@ def stop_all(*procs: subprocess.Popen[str] | None) -> None:
         if proc is not None and proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=60)
+
+
+HELD_OPEN = "train.steps=100000"
+"""A run that only ends when its test stops it (stop_run): a test whose late actor must find
+the run still going holds it open by construction, not by a step count tuned to the
+machine's speed (a loaded machine once finished a 12-step run before the actor arrived)."""
+
+
+def stop_run(proc: subprocess.Popen[str], sig: int = signal.SIGTERM, timeout: float = 120) -> str:
+    """Stop a held-open `drmas train` as a user would (SIGTERM, or SIGINT: Ctrl-C) once the
+    test's checks are done; it exits 130 with every child stopped. Its output."""
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 130, out[-4000:]
+    return out
+
+
+def check_accounting(summary: dict[str, Any], batch_groups: int = 4) -> dict[str, int]:
+    """Nothing lost, nothing counted twice, in a run stopped at any step: every issued lease
+    ended one way or is still out, no group trained twice, no weight load mismatched, and
+    every version a model reached is one whole batch. The counters."""
+    c = summary["counters"]
+    assert summary["leases"]["balanced"] == 1, summary["leases"]
+    assert c.get("groups_trained_twice", 0) == 0, c
+    assert c.get("weight_digest_mismatch", 0) == 0, c
+    for model, version in summary["versions"].items():
+        assert summary["trained_groups"][model] == version * batch_groups, summary
+    return c
+
+
+def versions(address: str) -> dict[str, int]:
+    """Each model's version, from `drmas status`."""
+    return {m: s["version"] for m, s in status(address)["models"].items()}
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 420) -> str:

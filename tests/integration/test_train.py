@@ -42,7 +42,9 @@ def check_run(run_dir: Path, models: set[str], steps: int) -> dict:
 def test_train_non_shared(tmp_path: Path, model_cache: Path) -> None:
     """Also the GPU recipes' precision on CPU, for the Verifier's model: fp32 masters
     train under bf16-mixed, its hf engine runs bf16 and receives bf16 copies whose digests
-    match what the learner published (the Solver stays fp32 end to end)."""
+    match what the learner published (the Solver stays fp32 end to end). And, in the same
+    run (each run costs CI about a minute), the small-sample options on:
+    agent_std_pool=batch, std_floor and skip_zero_variance (check_small_sample_options)."""
     run_dir = tmp_path / "run"
     out = drmas(
         "train",
@@ -50,12 +52,14 @@ def test_train_non_shared(tmp_path: Path, model_cache: Path) -> None:
         "models.verifier.precision=bf16-mixed",
         "+actor.pools={verifier: {dtype: bfloat16}}",
         "logger=[jsonl,tensorboard]",
+        *SMALL_SAMPLE,
         f"run.dir={run_dir}",
         f"run.cache_dir={model_cache}",
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "step    4/4" in out.stdout
     summary = check_run(run_dir, {"solver", "verifier"}, 4)
+    check_small_sample_options(run_dir)
     c = summary["counters"]
     assert c["weight_digest_match"] == c["weight_loads"] > 0
     assert c.get("weight_digest_mismatch", 0) == 0
@@ -65,6 +69,44 @@ def test_train_non_shared(tmp_path: Path, model_cache: Path) -> None:
     check_samples(run_dir)
     events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1 and events[0].stat().st_size > 1000  # the lines went there too
+
+
+SMALL_SAMPLE = [
+    "algorithm.advantage.agent_std_pool=batch",
+    "algorithm.advantage.std_floor=0.3",
+    "algorithm.skip_zero_variance=true",
+]
+AGENTS = ("solver", "verifier")
+
+
+def check_small_sample_options(run_dir: Path) -> None:
+    """A run with SMALL_SAMPLE finishes with exact accounting, and its metrics lines carry
+    the per-agent diagnostics and the running count of skipped zero-variance groups."""
+    train = [x for x in read_metrics(run_dir) if "val/tasks" not in x]
+    assert [x["step"] for x in train] == [1, 2, 3, 4]
+    skipped = [x["zero_variance_groups_skipped"] for x in train]
+    assert skipped == sorted(skipped)  # a running count
+    for line in train:
+        for agent in AGENTS:
+            acting = line[f"groups_acting/{agent}"]
+            assert acting == 4  # both agents act in every episode: in all 4 groups
+            assert 0 <= line[f"groups_penalty_only/{agent}"] <= line[f"groups_varying/{agent}"]
+            assert line[f"groups_lone/{agent}"] == 0
+            assert line[f"advantage/{agent}/max_abs"] >= 0
+    summary = read_summary(run_dir)
+    c = summary["counters"]
+    if not c.get("dropped_stale_groups", 0):
+        # Both models then cut the same 4 groups (each has a slice of every group, taken in
+        # the same order), and a skipped group never reaches a batch: in each of them some
+        # agent's scores vary.
+        for line in train:
+            assert sum(line[f"groups_varying/{a}"] for a in AGENTS) >= 4
+    assert c.get("groups_trained_twice", 0) == 0 and summary["leases"]["balanced"] == 1
+    assert c.get("zero_variance_groups_skipped", 0) >= skipped[-1]
+    for model in AGENTS:
+        trained = summary["trained_groups"][model]
+        assert trained == 4 * 4  # train.steps × batch_groups, topped up past skipped groups
+        assert trained + c.get("zero_variance_groups_skipped", 0) <= summary["accepted_groups"]
 
 
 def check_samples(run_dir: Path) -> None:
