@@ -20,7 +20,8 @@ class AdvantageConfig:
     """How step scores become advantages (docs/algorithm.md)."""
 
     mode: AdvantageMode = "agent"
-    """global = vanilla GRPO; agent = Dr. MAS (default); agent_mean/agent_std = ablations."""
+    """agent = Dr. MAS (default); global = vanilla GRPO; step_global = one baseline over
+    all steps, each scored on its own; agent_mean/agent_std = ablations (docs/algorithm.md)."""
     norm_by_std: bool = True
     """False: x - mean only (Dr. GRPO style)."""
     eps: NonNegativeFloat = 1e-6

@@ -124,27 +124,65 @@ def check_overrides(overrides: list[str], root: type, free: tuple[str, ...] = ()
     return ""
 
 
+GROUP_DOCS = {
+    "experiment": ("which team and task", "tiny_math"),
+    "deploy": ("where the roles run", "local"),
+}
+"""Config group -> (what it chooses, its default); its choices are the YAML files in it."""
+
+
+def group_choices(group: str) -> list[str]:
+    """The names a config group can take: its YAML files under configs/, so a new
+    experiment shows up in --help by itself."""
+    from drmas.config.load import config_dir
+
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+
+
+def choices_of(tp: Any) -> tuple[str, ...]:
+    """The values a Literal field (possibly Annotated) may take; () for any other type."""
+    while typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    if typing.get_origin(tp) is typing.Literal:
+        return tuple(str(v) for v in typing.get_args(tp))
+    return ()
+
+
 def option_doc(key: str, root: type) -> str:
     """One-line doc of a dotted option (models.<name>.lr style allowed), or ""."""
+    return _option(key, root)[0]
+
+
+def option_choices(key: str, root: type) -> tuple[str, ...]:
+    """What a dotted option may be set to, when that is a fixed list (a Literal field, a
+    config group); () otherwise."""
+    return _option(key, root)[1]
+
+
+def _option(key: str, root: type) -> tuple[str, tuple[str, ...]]:
     if key in GROUPS:
-        return {
-            "experiment": "which team and task: tiny_math (default), tiny_math_shared, "
-            "tiny_math_hetero, search_tiny, math, search",
-            "deploy": "where the roles run: local (default), multinode, slurm",
-        }[key]
+        what, default = GROUP_DOCS[key]
+        names = [f"{n} (default)" if n == default else n for n in group_choices(key)]
+        return f"{what}: {', '.join(names)}", ()
     kind, node, doc = "dataclass", root, ""
     for part in key.split("."):
         if kind == "mapping":
             kind, node = _value_type(node)  # any name of a mapping
             continue
         if kind != "dataclass":
-            return ""
+            return "", ()
         doc = field_docs(node).get(part, "")
         hints = _hints(node)
         if part not in hints:
-            return ""
+            return "", ()
         kind, node = _value_type(hints[part])
-    return doc
+    return doc, (choices_of(node) if kind == "leaf" else ())
+
+
+def _with_choices(doc: str, choices: tuple[str, ...]) -> str:
+    """The doc's first sentence, then every choice (never cut off)."""
+    first = _first_sentence(doc)
+    return f"{first} One of: {', '.join(choices)}." if choices else first
 
 
 def _first_sentence(doc: str, limit: int = 170) -> str:
@@ -158,7 +196,7 @@ def options_help(root: type, keys: tuple[str, ...] = MAIN_OPTIONS, width: int = 
     lines = ["main options (hydra overrides, KEY=VALUE; `drmas config` prints every key):"]
     pad = max(len(k) for k in keys) + 2
     for key in keys:
-        doc = _first_sentence(option_doc(key, root))
+        doc = _with_choices(*_option(key, root))
         wrapped = textwrap.wrap(doc, width - pad - 2) or [""]
         lines.append(f"  {key:<{pad}}{wrapped[0]}")
         lines += [f"  {'':<{pad}}{more}" for more in wrapped[1:]]
@@ -186,7 +224,7 @@ def config_text(cfg: Any, group: str = "", *, docs: bool = False) -> str:
     lines = []
     for key, value in _leaves(plain, group):
         generic = ".".join(_generic_parts(key, type(cfg)))
-        doc = _first_sentence(option_doc(generic, type(cfg)))
+        doc = _with_choices(*_option(generic, type(cfg)))
         lines.append(f"{key}: {value!r}" + (f"  # {doc}" if doc else ""))
     return "\n".join(lines) + "\n"
 

@@ -12,6 +12,8 @@ from drmas.config import ConfigError, load_config, to_yaml
 from drmas.launch.cli import main as cli
 from drmas.launch.train import resumed_config
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 @pytest.mark.parametrize("prefix", ["", "+", "++"])
 def test_a_typo_is_refused_with_the_nearest_key(prefix: str) -> None:
@@ -40,6 +42,32 @@ def test_help_lists_the_main_options_with_their_docs(capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     assert "algorithm.advantage.mode" in out and "agent = Dr. MAS (default)" in out
     assert "train.steps" in out and "val.every" in out
+
+
+def test_help_and_config_docs_list_every_mode_and_experiment(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """Every advantage mode the schema accepts and every experiment under configs/ is
+    named by `drmas train --help` and `drmas config --docs` (the help once left out
+    step_global and smol_math, which it listed by hand)."""
+    import re
+    import typing
+
+    from drmas.config.types import AdvantageMode
+
+    modes = typing.get_args(AdvantageMode)
+    experiments = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
+    assert "step_global" in modes and "smol_math" in experiments
+    with pytest.raises(SystemExit):
+        cli(["train", "--help"])
+    helped = " ".join(capsys.readouterr().out.split())  # the epilog is wrapped
+    for name in [*modes, *experiments]:
+        assert re.search(rf"\b{name}\b", helped), name
+    assert cli(["config", "algorithm.advantage", "--docs"]) == 0
+    line = next(
+        x for x in capsys.readouterr().out.splitlines() if x.startswith("algorithm.advantage.mode")
+    )
+    assert line.endswith(f"One of: {', '.join(modes)}."), line
 
 
 def test_drmas_config_prints_the_resolved_config(capsys: pytest.CaptureFixture) -> None:
