@@ -64,11 +64,12 @@ class _Steps:
     """The input as dense indices, one entry per step, and the statistics the modes combine
     (each computed once, when a mode first asks for it)."""
 
-    def __init__(self, s: Float, group: Index, episode: Index, agent: Index, ddof: int) -> None:
+    def __init__(self, s: Float, group: Index, episode: Index, name: Index, ddof: int) -> None:
         self.s = s  # [N] step scores
         self.group = group  # [N] group index in [0, num_groups)
         self.episode = episode  # [N] episode index; episodes are never shared by groups
-        self.agent = agent  # [N] (group, agent) index in [0, num_group_agents)
+        self.name = name  # [N] agent name index
+        self.agent = _pair(group, name)  # [N] (group, agent) index in [0, num_group_agents)
         self.ddof = ddof
         # agent_std_pool=batch: the agent (name) index of every step; None: σ_k per group
         self.pool_by: Index | None = None
@@ -94,6 +95,31 @@ class _Steps:
             return mean[self.agent], std[self.agent]
         mu_k = mean[self.agent]
         return mu_k, _pooled_std(self.agent, self.pool_by, self.s, mu_k, self.ddof)
+
+    @functools.cached_property
+    def turn(self) -> Index:
+        """Per step: which call of its agent in its episode it is (0 for the first), in the
+        order the steps are given (an episode's steps in the order they were taken)."""
+        n = self.s.shape[0]
+        calls = _pair(self.episode, self.name)  # [N] (episode, agent)
+        order = np.argsort(calls, kind="stable")
+        ranked = calls[order]
+        first = np.r_[True, ranked[1:] != ranked[:-1]]
+        start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+        turn = np.empty(n, dtype=np.intp)
+        turn[order] = np.arange(n) - start
+        return turn
+
+    @functools.cached_property
+    def _agent_turn(self) -> tuple[Float, Float]:
+        """Per step: μ_kt, σ_kt over the calls of its agent k at the same turn t across its
+        group's episodes (AT-GRPO's agent-and-turn groups). A step alone in its cell (only
+        one episode reached that call) falls back to its agent's μ_k, σ_k."""
+        cell = _pair(self.agent, self.turn)
+        num_cells = int(cell.max()) + 1
+        mean, std = _stats(cell, self.s, num_cells, self.ddof)
+        lone = np.bincount(cell, minlength=num_cells)[cell] <= 1
+        return np.where(lone, self.mu_k, mean[cell]), np.where(lone, self.sigma_k, std[cell])
 
     @functools.cached_property
     def _pooled(self) -> tuple[Float, Float]:
@@ -122,6 +148,14 @@ class _Steps:
         return self._agent[1]
 
     @property
+    def mu_kt(self) -> Float:
+        return self._agent_turn[0]
+
+    @property
+    def sigma_kt(self) -> Float:
+        return self._agent_turn[1]
+
+    @property
     def mu_all(self) -> Float:
         return self._pooled[0]
 
@@ -137,6 +171,7 @@ _MODES: dict[AdvantageMode, Callable[[_Steps], tuple[Float, Float, Float]]] = {
     "agent_mean": operator.attrgetter("s", "mu_k", "sigma"),  # (s − μ_k)/(σ + ε)
     "agent_std": operator.attrgetter("s", "mu", "sigma_k"),  # (s − μ)/(σ_k + ε)
     "step_global": operator.attrgetter("s", "mu_all", "sigma_all"),  # (s − μ_all)/(σ_all + ε)
+    "agent_turn": operator.attrgetter("s", "mu_kt", "sigma_kt"),  # (s − μ_kt)/(σ_kt + ε)
 }
 
 
@@ -189,7 +224,7 @@ def _steps_of(
     group = np.zeros(n, dtype=np.intp) if scope == "batch" else _dense(groups)
     # Episodes keyed by (group id, episode id): ids repeated across groups stay distinct.
     episode = _pair(_dense(groups), _dense(episodes))
-    return _Steps(score, group, episode, _pair(group, _dense(agents.astype(str))), ddof)
+    return _Steps(score, group, episode, _dense(agents.astype(str)), ddof)
 
 
 def compute_advantages(
@@ -215,8 +250,10 @@ def compute_advantages(
     `mode` picks (value, centre, scale) from `_MODES`. Team statistics μ, σ = over the
     group's episode means R̄_i; agent statistics μ_k, σ_k = over every call of agent k in
     the group (several calls of one episode count separately), as the reference's
-    (uid, agent) key does. A statistic over a single sample is mean 0, std 1, as in the
-    reference. ``std`` is ``unbiased`` (n − 1, torch.std) or ``population`` (n);
+    (uid, agent) key does. Agent-and-turn statistics μ_kt, σ_kt (mode agent_turn) = over
+    the t-th calls of agent k in the group's episodes, the steps of an episode given in
+    the order they were taken; a cell of one step falls back to μ_k, σ_k. A statistic
+    over a single sample is mean 0, std 1, as in the reference. ``std`` is ``unbiased`` (n − 1, torch.std) or ``population`` (n);
     ``norm_by_std=False`` returns value − centre. ``scope="batch"`` ignores ``group_ids``
     and treats the whole input as one group. Episodes are identified by (group id,
     episode id), so episode ids need only be unique per group.

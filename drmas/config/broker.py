@@ -20,8 +20,8 @@ class AdvantageConfig:
     """How step scores become advantages (docs/algorithm.md)."""
 
     mode: AdvantageMode = "agent"
-    """agent = Dr. MAS (default); global = vanilla GRPO; step_global = one baseline over
-    all steps, each scored on its own; agent_mean/agent_std = ablations (docs/algorithm.md)."""
+    """agent = Dr. MAS (default); global = vanilla GRPO; step_global = one baseline over all
+    steps; agent_turn = per agent and turn; agent_mean/agent_std = ablations."""
     norm_by_std: bool = True
     """False: x - mean only (Dr. GRPO style)."""
     eps: NonNegativeFloat = 1e-6

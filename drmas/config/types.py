@@ -36,8 +36,9 @@ PauseMode = Literal["keep", "abort"]
 """What in-flight requests do around a weight update."""
 Precision = Literal["fp32", "bf16-mixed", "bf16-pure"]
 """How a learner holds and computes a model's weights."""
-AdvantageMode = Literal["global", "agent", "agent_mean", "agent_std", "step_global"]
-"""global = GRPO; agent = Dr. MAS; the others are ablations (docs/algorithm.md)."""
+AdvantageMode = Literal["global", "agent", "agent_mean", "agent_std", "step_global", "agent_turn"]
+"""global = GRPO; agent = Dr. MAS; agent_turn = per agent and turn (AT-GRPO); the others
+are ablations (docs/algorithm.md)."""
 StdKind = Literal["unbiased", "population"]
 """n-1 (the reference code) or n (the paper)."""
 Scope = Literal["group", "batch"]

@@ -107,6 +107,42 @@ def test_step_global() -> None:
         )
 
 
+def test_agent_turn() -> None:
+    # Cells (agent, turn): (s, 0) = 0, 2: μ 1, unbiased σ √2; (v, 0) = 2, 6: μ 4, σ 2√2;
+    # (s, 1) = 1, 1: μ 1, σ 0 (both Solver second calls scored alike: advantage 0).
+    r = 1 / math.sqrt(2)
+    expected = [-r, -r, 0.0, r, r, 0.0]
+    np.testing.assert_allclose(_run(mode="agent_turn"), expected, rtol=1e-5, atol=1e-12)
+
+
+def test_agent_turn_falls_back_to_the_agents_statistics_in_a_lone_cell() -> None:
+    # Episode 0 calls s three times (1, 3, 5), episode 1 once (3). Cell (s, 0) = 1, 3: μ 2,
+    # σ √2. Cells (s, 1) = 3 and (s, 2) = 5 have one step each: they use the Solver's own
+    # statistics over 1, 3, 5, 3: μ_s 3, unbiased σ_s = sqrt(8/3).
+    out = compute_advantages(
+        [1.0, 3.0, 5.0, 3.0], [0, 0, 0, 0], [0, 0, 0, 1], ["s"] * 4, mode="agent_turn"
+    )
+    sigma_s = math.sqrt(8 / 3)
+    expected = [-1 / math.sqrt(2), 0.0, 2 / sigma_s, 1 / math.sqrt(2)]
+    np.testing.assert_allclose(out, expected, rtol=1e-5)
+
+
+def test_agent_turn_counts_calls_per_episode_in_the_given_order() -> None:
+    """The turn of a step is its agent's call count so far in its episode: with one call
+    per agent per episode, agent_turn is exactly agent (Dr. MAS)."""
+    scores, groups, episodes, agents = (
+        [0.3, 1.0, 0.7, 0.0, 0.2, 1.0],
+        [0] * 6,
+        [0, 0, 1, 1, 2, 2],
+        ["s", "v"] * 3,
+    )
+    np.testing.assert_allclose(
+        compute_advantages(scores, groups, episodes, agents, mode="agent_turn"),
+        compute_advantages(scores, groups, episodes, agents, mode="agent"),
+        rtol=1e-12,
+    )
+
+
 def test_no_std_normalisation() -> None:
     # x − μ only.  global: R̄_i − 2 → −1, +1 ; agent: s − μ_k → 0−1, 2−4, 1−1, 2−1, 6−4, 1−1.
     np.testing.assert_allclose(_run(mode="global", norm_by_std=False), [-1, -1, -1, 1, 1, 1])
@@ -236,7 +272,9 @@ def test_rejects_bad_inputs() -> None:
 # ---------------------------------------------------------------------------------------------
 # Property tests
 # ---------------------------------------------------------------------------------------------
-MODES = ("global", "agent", "agent_mean", "agent_std", "step_global")
+MODES = ("global", "agent", "agent_mean", "agent_std", "step_global", "agent_turn")
+ORDER_FREE = tuple(m for m in MODES if m != "agent_turn")
+"""Modes blind to the order of an episode's steps (agent_turn counts an agent's calls)."""
 
 
 @st.composite
@@ -300,7 +338,7 @@ def test_shift_invariance(data: tuple, shift: float, mode: str, norm: bool) -> N
 @settings(max_examples=60, deadline=None)
 @given(
     _groups(full=False),
-    st.sampled_from(MODES),
+    st.sampled_from(ORDER_FREE),
     st.sampled_from(("unbiased", "population")),
     st.sampled_from(("group", "batch")),
     st.randoms(use_true_random=False),

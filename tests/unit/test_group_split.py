@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import typing
 import zlib
 
 import numpy as np
@@ -20,10 +21,11 @@ from drmas.broker.advantages import compute_advantages
 from drmas.broker.buffers import ModelBuffer, batch_samples, split_group
 from drmas.config import ConfigError, load_config
 from drmas.config.broker import AdvantageConfig
+from drmas.config.types import AdvantageMode
 from drmas.protocol import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, Step, pack_group
 
-MODES = ["global", "agent", "agent_mean", "agent_std", "step_global"]
+MODES = list(typing.get_args(AdvantageMode))  # every mode the config accepts
 
 
 def _step(agent: str, tag: int, valid: bool = True) -> Step:

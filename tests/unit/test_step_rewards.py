@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import random
+import typing
 import zlib
 from pathlib import Path
 
@@ -27,13 +28,14 @@ from drmas.broker.buffers import (
 from drmas.broker.samples import SampleWriter, _print_record
 from drmas.broker.scores import step_scores
 from drmas.config.broker import AdvantageConfig
+from drmas.config.types import AdvantageMode
 from drmas.launch.eval_rewards import TaskResult, episode_rewards
 from drmas.launch.evaluate import EvalSettings, format_table, score
 from drmas.protocol import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, GroupResult, Step, Task, pack_group
 from tests.fixtures.advantage_reference import reference_advantages
 
-MODES = ["global", "agent", "agent_mean", "agent_std", "step_global"]
+MODES = list(typing.get_args(AdvantageMode))  # every mode the config accepts
 PENALTY = 0.1
 ASSIGNMENTS = {
     "shared": {"verifier": "m", "searcher": "m", "answerer": "m"},
