@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, cast
 
@@ -61,6 +62,7 @@ class ScoredGroup:
 
     result: GroupResult
     penalty: float  # invalid-action penalty
+    scale: Mapping[str, float] = field(default_factory=dict)  # workflow.reward_scale
 
     @functools.cached_property
     def columns(self) -> StepColumns:
@@ -69,7 +71,7 @@ class ScoredGroup:
         episode_of = [e for e, episode in enumerate(episodes) for _ in episode.steps]
         p_off = [0, *itertools.accumulate(4 * h.prompt_len for h in headers)]
         r_off = [0, *itertools.accumulate(4 * h.response_len for h in headers)]
-        rewards, scores = step_scores(episodes, self.penalty)
+        rewards, scores = step_scores(episodes, self.penalty, self.scale)
         return StepColumns(
             agents=[h.agent for h in headers],
             versions=[h.version for h in headers],
@@ -127,6 +129,7 @@ def split_group(
     result: GroupResult,
     agent_models: dict[str, str],
     penalty: float,
+    scale: Mapping[str, float] | None = None,
 ) -> dict[str, GroupSlice]:
     """Split a (validated) group per model: the broker's intake hot path, so one pass."""
     steps: dict[str, list[int]] = {}
@@ -142,7 +145,7 @@ def split_group(
             else:
                 steps[model], oldest[model] = [i], h.version
             i += 1
-    group = ScoredGroup(result, penalty)
+    group = ScoredGroup(result, penalty, scale or {})
     return {m: GroupSlice(group_id, task, group, s, oldest[m]) for m, s in steps.items()}
 
 

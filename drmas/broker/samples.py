@@ -17,6 +17,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +92,10 @@ class SampleWriter:
         episodes: int,
         advantage: AdvantageConfig,
         penalty: float,
+        scale: Mapping[str, float] | None = None,
     ) -> None:
         self.path = path
+        self.scale = scale or {}  # workflow.reward_scale
         self.tokenizers: dict[str, Any] = {}
         self.every = every
         self.episodes = episodes
@@ -130,7 +133,7 @@ class SampleWriter:
 
     def record(self, step: int, task: Task, result: GroupResult) -> dict[str, Any]:
         headers = [(e, h) for e, ep in enumerate(result.episodes) for h in ep.steps]
-        rewards, scores = step_scores(result.episodes, self.penalty)
+        rewards, scores = step_scores(result.episodes, self.penalty, self.scale)
         advantages = compute_advantages(
             np.asarray(scores, dtype=np.float64),
             np.zeros(len(headers), dtype=np.int64),

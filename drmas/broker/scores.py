@@ -3,7 +3,8 @@
 A step's **reward** is its own `Step.reward` when the team set one (a role reward: the
 verifier paid for its verdict, the searcher for what it retrieved), else the episode's
 team reward. Its **score** is that reward minus `algorithm.invalid_action_penalty` when
-its action did not parse. Scores are what the advantage modes normalise
+its action did not parse, times its agent's `workflow.reward_scale` (1 unless set: an agent
+paid in other units). Scores are what the advantage modes normalise
 (drmas/broker/advantages.py; definitions in docs/algorithm.md).
 
 Used by the broker's batch cut (drmas/broker/buffers.py) and transcripts
@@ -16,11 +17,14 @@ bit as before per-step rewards existed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 
 class _StepLike(Protocol):
+    @property
+    def agent(self) -> str: ...
+
     @property
     def reward(self) -> float | None: ...
 
@@ -42,10 +46,15 @@ def step_rewards(episodes: Sequence[_EpisodeLike]) -> list[float]:
 
 
 def step_scores(
-    episodes: Sequence[_EpisodeLike], penalty: float
+    episodes: Sequence[_EpisodeLike], penalty: float, scale: Mapping[str, float] | None = None
 ) -> tuple[list[float], list[float]]:
     """(rewards, scores) of every step, episode by episode: score = reward, minus `penalty`
-    for a step whose action did not parse."""
+    for a step whose action did not parse, times `scale` of the step's agent (1 if absent).
+    The rewards are the team's own pay, unscaled."""
     rewards = step_rewards(episodes)
     valid = [s.valid for e in episodes for s in e.steps]
-    return rewards, [r if v else r - penalty for r, v in zip(rewards, valid)]
+    scores = [r if v else r - penalty for r, v in zip(rewards, valid)]
+    if scale:
+        agents = [s.agent for e in episodes for s in e.steps]
+        scores = [x * scale.get(a, 1.0) for x, a in zip(scores, agents)]
+    return rewards, scores

@@ -167,6 +167,7 @@ class BrokerServer:
             cfg.run.samples_episodes,
             cfg.algorithm.advantage,
             cfg.algorithm.invalid_action_penalty,
+            cfg.workflow.reward_scale,
         )
 
     # ------------------------------------------------------------------ loop

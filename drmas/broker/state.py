@@ -290,6 +290,7 @@ class BrokerState:
             result,
             self.agent_models,
             self.cfg.algorithm.invalid_action_penalty,
+            self.cfg.workflow.reward_scale,
         )
         if self.zero_variance.skip(slices):  # no model trains it; its task is not requeued
             return ""

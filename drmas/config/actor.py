@@ -17,6 +17,7 @@ from drmas.config.types import (
     PauseMode,
     Port,
     Positive,
+    PositiveFloat,
     RewardKind,
     Seconds,
 )
@@ -120,6 +121,10 @@ class WorkflowConfig:
     Search Agent reply without a query): continue (the reply stays in the context and the
     next turn starts) or end (the episode stops unanswered). The step is penalised either
     way (algorithm.invalid_action_penalty)."""
+    reward_scale: dict[str, PositiveFloat] = field(default_factory=dict)
+    """Agent name -> factor its step scores are multiplied by (its reward and its
+    invalid-action penalty: an agent paid in other units); unnamed agents 1. Dr. MAS
+    (mode agent) is invariant to it; global, step_global and agent_mean are not."""
     prompt_style: str = "plain"
     """plain text prompts (tiny models) or the tokenizer's chat template."""
     instructions: dict[str, str] | None = None

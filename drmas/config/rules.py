@@ -38,6 +38,12 @@ def _check_agents(cfg: DrmasConfig) -> None:
             )
     for model in cfg.models:
         _check_shared_lr(cfg, model)
+    unknown_scales = sorted(set(cfg.workflow.reward_scale) - set(cfg.agents))
+    if unknown_scales:
+        raise ConfigError(
+            f"workflow.reward_scale names {unknown_scales}, which are not agents of the team "
+            f"{sorted(cfg.agents)}: scale an agent by its name"
+        )
     unknown_pools = sorted(set(cfg.actor.pools) - set(cfg.models))
     if unknown_pools:
         raise ConfigError(

@@ -233,7 +233,9 @@ def step_scores(cfg: DrmasConfig, episodes: list[Episode], rng: np.random.Genera
     one, else the episode's team reward; minus the penalty of an invalid action)."""
     rewards = cfg.probe.rewards
     if not rewards:
-        _, scores = broker_step_scores(episodes, cfg.algorithm.invalid_action_penalty)
+        _, scores = broker_step_scores(
+            episodes, cfg.algorithm.invalid_action_penalty, cfg.workflow.reward_scale
+        )
         return np.asarray(scores, dtype=np.float64)
     params = [rewards[s.agent] for e in episodes for s in e.steps]  # [mean, std] per step
     return np.asarray([rng.normal(mean, std) for mean, std in params], dtype=np.float64)

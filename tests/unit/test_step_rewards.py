@@ -276,3 +276,58 @@ def test_eval_reports_each_agents_mean_step_reward_beside_the_team() -> None:
         "mean step reward per agent: solver 0.750 ± 0.250, verifier 0.600 ± 0.280; "
         "team reward 0.750 ± 0.250" in table
     )
+
+
+# ------------------------------------------------------ workflow.reward_scale
+
+
+def _advantages(mode: str, scale: dict[str, float] | None) -> dict[str, list[float]]:
+    """Each model's advantages on the hand group, the verifier's scores scaled by `scale`."""
+    slices = split_group(0, None, _hand_group(), {"solver": "s", "verifier": "v"}, PENALTY, scale)
+    adv = AdvantageConfig(mode=mode)  # type: ignore[arg-type]
+    return {m: [x.advantage for x in batch_samples([sl], adv)] for m, sl in slices.items()}
+
+
+def test_reward_scale_multiplies_the_agents_scores_before_normalisation() -> None:
+    """An agent paid in other units: its scores (reward and penalty) are scaled, its
+    rewards stay the team's pay; the other agents' scores are untouched."""
+    _, plain = step_scores(_hand_group().episodes, PENALTY)
+    rewards, scaled = step_scores(_hand_group().episodes, PENALTY, {"verifier": 0.1})
+    assert rewards == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    agents = ["solver", "verifier"] * 3
+    expected = [x * (0.1 if a == "verifier" else 1.0) for x, a in zip(plain, agents)]
+    assert scaled == pytest.approx(expected, abs=1e-15)
+    assert scaled[5] == pytest.approx(-0.01)  # the verifier's penalty is in its units too
+    slices = split_group(0, None, _hand_group(), {"solver": "s", "verifier": "v"}, PENALTY,
+                         {"verifier": 0.1})  # fmt: skip
+    assert slices["v"].columns.scores == pytest.approx([0.1, 0.1, -0.01])
+
+
+def test_dr_mas_is_invariant_to_an_agents_reward_scale() -> None:
+    """Mode agent divides the scaled scores by the agent's own (scaled) std: the
+    verifier's advantages stay within 1e-4 (the ε in σ + ε is all that changes). Applied
+    after normalisation instead, the scale would shrink them tenfold."""
+    base, scaled = _advantages("agent", None), _advantages("agent", {"verifier": 0.1})
+    np.testing.assert_allclose(scaled["v"], base["v"], atol=1e-4)
+    np.testing.assert_allclose(scaled["s"], base["s"], atol=1e-12)
+    assert max(abs(a) for a in base["v"]) > 0.5  # not a trivially zero case
+
+
+@pytest.mark.parametrize("mode", ["global", "step_global", "agent_mean"])
+def test_a_shared_baseline_is_not_invariant_to_a_reward_scale(mode: str) -> None:
+    """A team baseline (global, step_global) or a team std (agent_mean) mixes the agents'
+    units: scaling the verifier's pay changes the advantages."""
+    base, scaled = _advantages(mode, None), _advantages(mode, {"verifier": 0.1})
+    changed = max(abs(a - b) for m in base for a, b in zip(base[m], scaled[m]))
+    assert changed > 0.05, (mode, base, scaled)
+
+
+def test_reward_scale_names_agents_of_the_team() -> None:
+    from drmas.config import ConfigError, load_config
+
+    cfg = load_config(["workflow.reward_scale={verifier: 0.1}"])
+    assert cfg.workflow.reward_scale == {"verifier": 0.1}
+    with pytest.raises(ConfigError, match=r"workflow.reward_scale names \['critic'\]"):
+        load_config(["workflow.reward_scale={critic: 0.1}"])
+    with pytest.raises(ConfigError, match="reward_scale"):
+        load_config(["workflow.reward_scale={verifier: 0}"])  # a factor must be > 0
