@@ -72,10 +72,11 @@ def measure(cfg: DrmasConfig) -> dict[str, Any]:
     groups = asyncio.run(sample_groups(cfg, p.groups, size, p.seed))
     sampled_s = time.monotonic() - start
     log.info("sampled %d groups of %d episodes in %.1fs", len(groups), size, sampled_s)
-    rows, scores_by_agent = measure_gradients(cfg, groups)
+    rows, scores_by_agent, credit = measure_gradients(cfg, groups)
     return {
         "mode": "synthetic" if p.rewards else "sampled",
         "agents": summarise(rows, p.baselines, p.bootstrap, p.seed),
+        "credit": credit,
         "scores": {
             a: {"mean": float(np.mean(v)), "std": float(np.std(v)), "steps": len(v)}
             for a, v in scores_by_agent.items()
@@ -96,10 +97,10 @@ def measure(cfg: DrmasConfig) -> dict[str, Any]:
 
 def measure_gradients(
     cfg: DrmasConfig, groups: list[list[Episode]]
-) -> tuple[dict[str, AgentRows], dict[str, list[float]]]:
+) -> tuple[dict[str, AgentRows], dict[str, list[float]], dict[str, dict[str, dict[str, float]]]]:
     """A world-1 learner (one Trainer per model) measures every agent's gradient moments in
-    every group under each advantage mode. Returns the rows of the agents that acted, and
-    every agent's step scores."""
+    every group under each advantage mode. Returns the rows of the agents that acted, every
+    agent's step scores, and each agent's credit share under each mode (credit_shares)."""
     import torch.distributed as dist
 
     from drmas.learners.main import learner_device
@@ -109,6 +110,8 @@ def measure_gradients(
     rng = np.random.default_rng(cfg.probe.seed)
     scores = [step_scores(cfg, episodes, rng) for episodes in groups]
     advantages = probe_advantages(cfg, groups, scores)
+    step_agents = [[s.agent for ep in episodes for s in ep.steps] for episodes in groups]
+    credit = credit_shares(step_agents, scores, advantages)
     device = learner_device(cfg.learner.device)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
@@ -124,7 +127,37 @@ def measure_gradients(
             _measure_group(cfg, trainers, episodes, group_scores, adv, rows, scores_by_agent)
     finally:
         dist.destroy_process_group()
-    return {a: r for a, r in rows.items() if r.steps}, scores_by_agent
+    return {a: r for a, r in rows.items() if r.steps}, scores_by_agent, credit
+
+
+def credit_shares(
+    step_agents: list[list[str]], scores: list[np.ndarray], advantages: list[dict[str, np.ndarray]]
+) -> dict[str, dict[str, dict[str, float]]]:
+    """agent -> mode -> how much of the agent's advantage comes from its own scores:
+    `own_r2`, the squared correlation, within a group, between its advantages and its own
+    scores, averaged over the groups where it has at least 2 steps whose scores vary
+    (`groups` counts them). 1: in every group its advantage is an affine function of its
+    own scores, so a mode differs from `agent` only by a rescaling (Lemma 4.2's F_k).
+    Below 1: part of it comes from the other agents' scores, a credit problem (`global`
+    gives every step of an episode the episode's mean score). An advantage that does not
+    vary where the agent's scores do counts 0."""
+    sums: dict[str, dict[str, list[float]]] = {}
+    for agents, group_scores, by_mode in zip(step_agents, scores, advantages):
+        names = np.asarray(agents)
+        for agent in dict.fromkeys(agents):
+            own = group_scores[names == agent]
+            if own.size < 2 or np.ptp(own) == 0:
+                continue
+            for mode, adv in by_mode.items():
+                a = adv[names == agent]
+                cov = float(np.mean((a - a.mean()) * (own - own.mean())))
+                var = float(np.var(a)) * float(np.var(own))
+                r2 = cov * cov / var if var > 0 else 0.0
+                sums.setdefault(agent, {}).setdefault(mode, []).append(min(r2, 1.0))
+    return {
+        agent: {m: {"own_r2": float(np.mean(v)), "groups": len(v)} for m, v in by_mode.items()}
+        for agent, by_mode in sums.items()
+    }
 
 
 def probe_advantages(
@@ -267,6 +300,17 @@ def format_table(result: dict[str, Any]) -> str:
                 + cell(r, "batch_ratio", "batch_ci95")
                 + f"{r['effective_steps']:.0f}/{r['n_steps']}"
             )
+    credit = result.get("credit", {})
+    if credit:
+        modes = list(next(iter(credit.values())))
+        lines += [
+            "credit: share of each agent's advantage explained by its own scores (r^2 within "
+            "a group, mean over groups; 1 = a rescaling only, < 1 = others' scores mixed in)",
+            f"{'agent':<12}" + "".join(f"{m:>13}" for m in modes) + "   groups",
+        ]
+        for agent, by_mode in credit.items():
+            cells = "".join(f"{by_mode[m]['own_r2']:>13.3f}" for m in modes if m in by_mode)
+            lines.append(f"{agent:<12}{cells}   {next(iter(by_mode.values()))['groups']}")
     return "\n".join(lines)
 
 

@@ -51,6 +51,14 @@ def test_synthetic_probe_shows_inflation_and_deflation(tmp_path: Path, model_cac
     solver, verifier = agents["solver"]["step_global"], agents["verifier"]["step_global"]
     assert solver["predicted_factor"] > 1.3 and solver["measured_ratio"] > 1.1
     assert verifier["predicted_factor"] < 0.4 and verifier["measured_ratio"] < 0.6
+    # credit: under agent and step_global an agent's advantage is affine in its own scores
+    # within a group (a rescaling only); global mixes in the other agent's scores
+    credit = result["credit"]
+    for agent in ("solver", "verifier"):
+        assert credit[agent]["agent"]["own_r2"] == pytest.approx(1.0)
+        assert credit[agent]["step_global"]["own_r2"] == pytest.approx(1.0)
+        assert credit[agent]["global"]["own_r2"] < 0.9 and credit[agent]["agent"]["groups"] == 24
+    assert "credit: share of each agent's advantage" in out.stdout
     image = mpimg.imread(run / "probe.png")
     assert image.shape[0] > 100 and image.shape[1] > 300
     assert "step_global" in out.stdout  # the table is printed

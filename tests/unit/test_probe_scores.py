@@ -95,3 +95,29 @@ def test_advantages_follow_the_runs_options_group_by_group():
     assert out[0]["step_global"] * d == pytest.approx([0.6, -0.4, 0.2, -0.4])
     # group 1 on its own: solver 0, 2 -> μ 1, σ sqrt(2) above the floor -> ∓1/sqrt(2)
     assert out[1]["agent"] == pytest.approx([-(0.5**0.5), 0.5**0.5], rel=1e-5)
+
+
+def test_credit_shares_tell_a_rescaling_from_a_credit_problem() -> None:
+    """Solver then Verifier once per episode, solver scores (1, 0, 0, 1), verifier (0, 0, 1,
+    1). Under agent and step_global a step's advantage is affine in its own score in the
+    group: r² = 1. Under global every step gets its episode's mean (0.5, 0, 0.5, 1); centred,
+    solver (.5, -.5, -.5, .5) against (0, -.5, 0, .5): cov 0.125, var 0.25 and 0.125, so
+    r² = 0.125² / (0.25 · 0.125) = 0.5, and the same for the verifier."""
+    from drmas.broker.advantages import compute_advantages
+    from drmas.launch.probe import credit_shares
+
+    agents = ["solver", "verifier"] * 4
+    scores = np.array([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    episodes = [0, 0, 1, 1, 2, 2, 3, 3]
+    adv = {
+        m: compute_advantages(scores, [0] * 8, episodes, agents, mode=m)
+        for m in ("agent", "step_global", "global")
+    }
+    credit = credit_shares([agents], [scores], [adv])
+    for agent in ("solver", "verifier"):
+        assert credit[agent]["agent"] == {"own_r2": pytest.approx(1.0), "groups": 1}
+        assert credit[agent]["step_global"]["own_r2"] == pytest.approx(1.0)
+        assert credit[agent]["global"]["own_r2"] == pytest.approx(0.5)
+    # an agent whose scores do not vary in a group: nothing to explain, not counted
+    flat = credit_shares([agents], [np.array([1.0, 0.0] * 4)], [adv])
+    assert "solver" not in flat and "verifier" not in flat
