@@ -144,6 +144,7 @@ class StepMetrics:
         line["episodes_per_s"], line["tokens_per_s"] = self.rates(time.monotonic())
         line["dropped_stale_groups"] = counters.get("dropped_stale_groups", 0)
         line["zero_variance_groups_skipped"] = counters.get("zero_variance_groups_skipped", 0)
+        line |= {k: v for k, v in counters.items() if k.startswith("zero_variance_slices_")}
         line["broker/busy"] = self.cpu.busy_since_last_line(time.monotonic())
         line |= self._actor_fractions()
         for name, total in self._episode_sums.items():

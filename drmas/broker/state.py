@@ -292,9 +292,10 @@ class BrokerState:
             self.cfg.algorithm.invalid_action_penalty,
             self.cfg.workflow.reward_scale,
         )
-        if self.zero_variance.skip(slices):  # no model trains it; its task is not requeued
+        kept = self.zero_variance.kept(slices)  # drmas/broker/variation.py
+        if not kept:  # no model trains it; its task is not requeued
             return ""
-        for model, part in slices.items():
+        for model, part in kept.items():
             buf = self.buffers[model]
             if buf.batches_cut >= self.cfg.train.steps:
                 self.counters[f"slices_after_last_batch/{model}"] += 1  # not needed any more

@@ -86,7 +86,11 @@ def variation_stats(slices: Sequence[GroupSlice], samples: Sequence[Sample]) -> 
 class ZeroVarianceFilter:
     """`algorithm.skip_zero_variance`: a group in which no agent's scores vary is left out
     before it reaches any model's buffer, so every model skips the same groups and the
-    batches fill from later groups. Decided at intake, not at the cut: the property is the
+    batches fill from later groups. With `algorithm.zero_variance_by=model` each model
+    decides on its own slice instead: it leaves the slice out when none of its own agents'
+    scores vary (a model whose agents tie would otherwise train on advantages that are all
+    zero), counted in `counters["zero_variance_slices_skipped/<model>"]`; a group that no
+    model keeps counts as skipped too. Decided at intake, not at the cut: the property is the
     whole group's and fixed once it is scored, and a slice that would be thrown away later
     must not count against admission control ((η + 1)·B buffered) or the groups still
     needed. The group stays accepted (its lease ended well) and is never trained; its task
@@ -96,9 +100,26 @@ class ZeroVarianceFilter:
 
     def __init__(self, cfg: DrmasConfig, counters: collections.Counter[str]) -> None:
         self.enabled = cfg.algorithm.skip_zero_variance
+        self.by_model = cfg.algorithm.zero_variance_by == "model"
         self.warn_every = 10 * cfg.batch_groups
         self.counters = counters
         self.streak = 0  # groups skipped in a row
+
+    def kept(self, slices: Mapping[str, GroupSlice]) -> Mapping[str, GroupSlice]:
+        """The slices of a group to buffer (counted): all of them, none, or (by model) the
+        slices of the models some of whose own agents' scores vary."""
+        if not self.enabled:
+            return slices
+        if not self.by_model:
+            return {} if self.skip(slices) else slices
+        keep = {m: part for m, part in slices.items() if not no_variance(part.columns)}
+        for model in slices.keys() - keep.keys():
+            self.counters[f"zero_variance_slices_skipped/{model}"] += 1
+        if keep:
+            self.streak = 0
+        else:
+            self._skipped()
+        return keep
 
     def skip(self, slices: Mapping[str, GroupSlice]) -> bool:
         """True (and counted) when the group these slices share is to be left out."""
@@ -108,6 +129,11 @@ class ZeroVarianceFilter:
         if first is not None and not no_variance(first.group.columns):
             self.streak = 0
             return False
+        self._skipped()
+        return True
+
+    def _skipped(self) -> None:
+        """A group no model trains: counted, and a long run of them logged."""
         self.counters["zero_variance_groups_skipped"] += 1
         self.streak += 1
         if self.streak % self.warn_every == 0:
@@ -117,4 +143,3 @@ class ZeroVarianceFilter:
                 "Check the team's rewards, or set algorithm.skip_zero_variance=false",
                 self.streak,
             )
-        return True

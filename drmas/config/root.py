@@ -26,6 +26,7 @@ from drmas.config.types import (
     Positive,
     PositiveFloat,
     TrackerName,
+    ZeroVarianceBy,
 )
 
 
@@ -55,9 +56,13 @@ class AlgorithmConfig:
     """Subtracted from a step's reward (its own Step.reward, else the team's) when its
     action did not parse."""
     skip_zero_variance: bool = False
-    """Leave out of a batch every group in which no agent's scores vary (no learning
-    signal; DAPO's dynamic sampling, per agent), count it, and fill the batch from later
-    groups."""
+    """Leave out of a batch every group without a learning signal (DAPO's dynamic sampling,
+    per agent), count it, and fill the batch from later groups; zero_variance_by says
+    whose signal."""
+    zero_variance_by: ZeroVarianceBy = "group"
+    """With skip_zero_variance: group = a group is left out by every model when no agent's
+    scores vary in it; model = each model leaves out its own slice of a group when none of
+    its own agents' scores vary (counted per model)."""
 
 
 @dataclass

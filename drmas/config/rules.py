@@ -163,6 +163,12 @@ def _check_sigma_options(cfg: DrmasConfig) -> None:
             f"true); here mode={adv.mode}, norm_by_std={adv.norm_by_std}: drop it or use "
             "mode=agent"
         )
+    if cfg.algorithm.zero_variance_by == "model" and not cfg.algorithm.skip_zero_variance:
+        raise ConfigError(
+            "algorithm.zero_variance_by=model says whose signal algorithm.skip_zero_variance "
+            "looks at, and skip_zero_variance is off: set algorithm.skip_zero_variance=true "
+            "too, or drop zero_variance_by"
+        )
     if adv.std_floor > 0 and not adv.norm_by_std:
         raise ConfigError(
             f"algorithm.advantage.std_floor={adv.std_floor} floors the standard deviation "

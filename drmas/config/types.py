@@ -61,6 +61,9 @@ OnInvalid = Literal["continue", "end"]
 RewardKind = Literal["team", "role"]
 """team: every step scored with the episode's team reward; role: each agent paid for its
 own job (the built-in teams' role rewards, docs/own-team.md)."""
+ZeroVarianceBy = Literal["group", "model"]
+"""algorithm.zero_variance_by: who leaves out a group without signal (the whole team, or
+each model its own slice)."""
 StdPool = Literal["group", "batch"]
 """Where an agent's standard deviation comes from: its steps in the group, or its
 group-centred scores pooled over the batch (the group mean kept)."""

@@ -13,7 +13,7 @@ from drmas.broker.buffers import ModelBuffer, StepColumns, split_group
 from drmas.broker.metrics import StepMetrics
 from drmas.broker.state import BrokerState
 from drmas.broker.variation import AgentVariation, ZeroVarianceFilter, agent_variation
-from drmas.config import load_config
+from drmas.config import ConfigError, load_config
 from drmas.config.broker import AdvantageConfig
 from drmas.protocol import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, NoBatch, Step, Task, pack_group
@@ -170,6 +170,56 @@ def test_a_model_whose_agent_is_absent_skips_the_same_groups():
     assert [p.group_id for p in st.buffers["verifier"].slices] == ids[2:]
     assert [p.group_id for p in st.buffers["answerer"].slices] == ids[2:]
     assert [p.group_id for p in st.buffers["searcher"].slices] == ids[2:3]
+
+
+def _search_plan(by: str) -> BrokerState:
+    """search_tiny (three models) takes in three groups of 2 episodes, each agent paid its
+    own role reward: A, every agent's pay differs between the episodes; B, the verifier's
+    pay differs, the answerer's ties (no searcher); C, every pay ties."""
+    st = make_state(
+        "experiment=search_tiny", "algorithm.skip_zero_variance=true",
+        f"algorithm.zero_variance_by={by}",
+    )  # fmt: skip
+    models = ["answerer", "searcher", "verifier"]
+    st.add_actor("a", "h", 1, models, 0.0)
+    plan = [
+        {"verifier": (1.0, 0.0), "searcher": (0.0, 1.0), "answerer": (1.0, 0.0)},
+        {"verifier": (1.0, 0.0), "answerer": (1.0, 1.0)},
+        {"verifier": (1.0, 1.0), "answerer": (0.0, 0.0)},
+    ]
+    for pay in plan:
+        (lease,) = st.lease("a", 1, dict.fromkeys(models, 0), 0.0).leases
+        episodes = [
+            Episode([step(agent, reward=r[e]) for agent, r in pay.items()], 0.0) for e in (0, 1)
+        ]
+        st.accept("a", pack_group("a", lease.lease_id, lease.group_id, episodes), 0.0)
+    return st
+
+
+def test_by_model_each_model_leaves_out_its_own_slices_without_signal():
+    st = _search_plan("model")
+    a, b, _ = sorted(st.accepted_groups)
+    assert [p.group_id for p in st.buffers["verifier"].slices] == [a, b]
+    assert [p.group_id for p in st.buffers["answerer"].slices] == [a]  # B tied for it
+    assert [p.group_id for p in st.buffers["searcher"].slices] == [a]
+    c = st.counters
+    assert c["zero_variance_slices_skipped/answerer"] == 2
+    assert c["zero_variance_slices_skipped/verifier"] == 1
+    assert "zero_variance_slices_skipped/searcher" not in c
+    assert c["zero_variance_groups_skipped"] == 1  # C: no model kept it
+
+
+def test_by_group_a_group_with_any_signal_reaches_every_model():
+    st = _search_plan("group")
+    a, b, _ = sorted(st.accepted_groups)
+    assert [p.group_id for p in st.buffers["answerer"].slices] == [a, b]  # B, all zeros
+    assert st.counters["zero_variance_groups_skipped"] == 1
+    assert not [k for k in st.counters if k.startswith("zero_variance_slices_skipped")]
+
+
+def test_zero_variance_by_model_needs_the_filter_on():
+    with pytest.raises(ConfigError, match=r"set algorithm\.skip_zero_variance=true"):
+        load_config(["algorithm.zero_variance_by=model"])
 
 
 def test_a_long_run_of_skipped_groups_is_logged(caplog):
