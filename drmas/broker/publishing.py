@@ -25,8 +25,12 @@ secret token, handed to the learner in its WeightGroupPlan and to the group's me
 their JoinWeightGroup only, which every member proves at join; each join names the
 adapters the publish carries, so a receiver can check the header against them. A load
 that fails (a refused header, a digest mismatch, a timeout) leaves the actor behind, and
-the learner's next BatchRequest re-publishes to it: at most MAX_RELOADS times per version
-(`weight_republishes_given_up` counts the actors then left for the next version's publish).
+the learner's next BatchRequest re-publishes to it: MAX_RELOADS times in a row, then only
+after a back-off that doubles with every further failure (`weight_republishes_given_up`
+counts the actors that reach it), so a broken actor costs its learner one publish per
+back-off, while actors whose loads failed through no fault of their own (a member that
+never joined the group) get the version once the cause is gone: with every actor behind,
+no group can be generated and the run would otherwise wait for a next version for ever.
 
 Bounded: digests are kept for the last three versions of each model only.
 """
@@ -36,6 +40,7 @@ from __future__ import annotations
 import collections
 import logging
 import secrets
+import time
 from typing import TYPE_CHECKING
 
 from drmas.broker.leases import ActorRecord
@@ -49,9 +54,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("drmas.broker")
 
 MAX_RELOADS = 3
-"""Failed loads of one version by one actor after which it is not re-published that
-version (the next version's publish includes it again): a broken actor cannot make its
-learner re-publish forever."""
+"""Failed loads of one version by one actor in a row after which it is re-published only
+after a back-off (reload_backoff_s): a broken actor cannot make its learner re-publish in a
+tight loop."""
+MAX_BACKOFF_STEPS = 4
+"""The back-off doubles at most this many times (16 × weights.timeout_s)."""
 
 
 class WeightPublishing:
@@ -81,8 +88,8 @@ class WeightPublishing:
         self._incarnation = secrets.token_hex(3)
         # model -> (group name, store address, members, token) of the group its publishes reuse
         self.groups: dict[str, tuple[str, str, tuple[str, ...], str]] = {}
-        # (actor, model) -> (version, failed loads of it in a row)
-        self.failed_loads: dict[tuple[str, str], tuple[int, int]] = {}
+        # (actor, model) -> (version, failed loads of it in a row, time of the last one)
+        self.failed_loads: dict[tuple[str, str], tuple[int, int, float]] = {}
         self.closed = False  # the run is over and actors were told to stop: publish to none
 
     def stale_actors(self, model: str, version: int, now: float) -> list[str]:
@@ -95,8 +102,23 @@ class WeightPublishing:
             for a in self.actors.values()
             if model in a.models
             and a.versions.get(model, 0) < version
-            and self.failed_loads.get((a.client_id, model), (0, 0)) < (version, MAX_RELOADS)
+            and self._may_retry(a.client_id, model, version, now)
         )
+
+    def reload_backoff_s(self, failures: int) -> float:
+        """How long after its last failed load an actor waits for its next re-publish of
+        the same version: none for the first MAX_RELOADS - 1, then weights.timeout_s,
+        doubling with each further failure (bounded)."""
+        if failures < MAX_RELOADS:
+            return 0.0
+        return self.cfg.weights.timeout_s * 2 ** min(failures - MAX_RELOADS, MAX_BACKOFF_STEPS)
+
+    def _may_retry(self, client_id: str, model: str, version: int, now: float) -> bool:
+        failed = self.failed_loads.get((client_id, model))
+        if failed is None or failed[0] != version:
+            return True
+        _, count, at = failed
+        return count < MAX_RELOADS or now >= at + self.reload_backoff_s(count)
 
     def plan(
         self, model: str, version: int, store_address: str, now: float
@@ -200,13 +222,21 @@ class WeightPublishing:
                 values[f"publish_adapters/{model}"] = float(self.carried[model])
             self.metrics.report(version, model, "publish", values, dict(self.counters))
 
-    def loaded(self, client_id: str, model: str, version: int, ok: bool, digest: str = "") -> None:
+    def loaded(
+        self,
+        client_id: str,
+        model: str,
+        version: int,
+        ok: bool,
+        digest: str = "",
+        now: float | None = None,
+    ) -> None:
         actor = self.actors.get(client_id)
         if actor is not None and ok:
             actor.versions[model] = max(actor.versions.get(model, 0), version)
         if not ok:
             self.forget_group(model)
-            self._failed(client_id, model, version)
+            self._failed(client_id, model, version, time.monotonic() if now is None else now)
         else:
             self.failed_loads.pop((client_id, model), None)
         self.counters["weight_loads" if ok else "weight_loads_failed"] += 1
@@ -215,20 +245,22 @@ class WeightPublishing:
             self._compare(model, version)
         self._prune(model)
 
-    def _failed(self, client_id: str, model: str, version: int) -> None:
-        """Count a failed load; the actor is re-published this version MAX_RELOADS times."""
+    def _failed(self, client_id: str, model: str, version: int, now: float) -> None:
+        """Count a failed load; from MAX_RELOADS in a row, the next re-publish of this
+        version to the actor waits for reload_backoff_s."""
         for gone in [k for k in self.failed_loads if k[0] not in self.actors]:
             del self.failed_loads[gone]  # bounded by the actors registered now
         if client_id not in self.actors:
             return
-        last, count = self.failed_loads.get((client_id, model), (version, 0))
+        last, count, _ = self.failed_loads.get((client_id, model), (version, 0, now))
         count = count + 1 if last == version else 1
-        self.failed_loads[(client_id, model)] = (version, count)
-        if count == MAX_RELOADS:
-            self.counters["weight_republishes_given_up"] += 1
+        self.failed_loads[(client_id, model)] = (version, count, now)
+        if count >= MAX_RELOADS:
+            if count == MAX_RELOADS:
+                self.counters["weight_republishes_given_up"] += 1
             log.error(
-                "%s failed to load %s v%d %d times: not re-publishing it this version",
-                client_id, model, version, count,
+                "%s failed to load %s v%d %d times in a row: re-publishing it in %.0f s",
+                client_id, model, version, count, self.reload_backoff_s(count),
             )  # fmt: skip
 
     def _compare(self, model: str, version: int) -> None:

@@ -469,7 +469,7 @@ class BrokerServer:
             log.warning(
                 "%s failed to load %s v%d: %s", cid, msg.model, msg.version, clip(msg.error)
             )
-        weights.loaded(cid, msg.model, msg.version, msg.ok, msg.digest)
+        weights.loaded(cid, msg.model, msg.version, msg.ok, msg.digest, time.monotonic())
 
     def flush_samples(self) -> None:
         """Sampled transcripts to samples.jsonl and the trackers, once tokenizers load."""

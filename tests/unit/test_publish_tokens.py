@@ -54,33 +54,45 @@ def test_the_token_goes_to_the_learner_and_the_members_only() -> None:
     assert {j.token for _, j in joins3} == {third.token}
 
 
-def test_an_actor_whose_loads_keep_failing_is_re_published_a_bounded_number_of_times() -> None:
+def test_an_actor_whose_loads_keep_failing_is_re_published_with_a_growing_back_off() -> None:
     """A refused header or a digest mismatch is a failed load: the actor stays behind and
-    the broker re-publishes to it, MAX_RELOADS times for one version, not forever; the
-    next version's publish includes it again."""
+    the broker re-publishes to it, at once for the first MAX_RELOADS failures in a row,
+    then only after a back-off of weights.timeout_s that doubles with each failure (a
+    broken actor cannot keep its learner re-publishing, and an actor whose loads failed
+    for another member's sake is not left behind for ever); the next version's publish
+    includes it again."""
     pub = publishing("good", "bad")
+    timeout = pub.cfg.weights.timeout_s
     pub.plan("solver", 1, "h:1", now=0.0)
     pub.done("solver", 1, 0.1, ok=True)
-    pub.loaded("good", "solver", 1, ok=True)
-    pub.loaded("bad", "solver", 1, ok=False)
-    republished = 0
-    while pub.stale_actors("solver", 1, now=10.0 * (republished + 1)) == ["bad"]:
-        plan, joins = pub.plan("solver", 1, "h:1", now=10.0 * (republished + 1))
+    pub.loaded("good", "solver", 1, ok=True, now=1.0)
+    pub.loaded("bad", "solver", 1, ok=False, now=1.0)
+    now = 1.0
+    for _ in range(MAX_RELOADS - 1):  # re-published at once
+        assert pub.stale_actors("solver", 1, now=now) == ["bad"]
+        plan, joins = pub.plan("solver", 1, "h:1", now=now)
         assert plan.members == ["bad"] and len(joins) == 1
         pub.done("solver", 1, 0.1, ok=True)
-        pub.loaded("bad", "solver", 1, ok=False)
-        republished += 1
-        assert republished <= MAX_RELOADS
-    assert republished == MAX_RELOADS - 1  # 1 publish + 2 re-publishes = 3 failed loads
+        now += 1.0
+        pub.loaded("bad", "solver", 1, ok=False, now=now)
     assert pub.counters["weight_republishes_given_up"] == 1
     assert pub.counters["weight_loads_failed"] == MAX_RELOADS
+    # the third failure in a row: a back-off of timeout, then twice that after the fourth
+    assert pub.stale_actors("solver", 1, now=now + timeout - 0.1) == []
+    assert pub.stale_actors("solver", 1, now=now + timeout) == ["bad"]
+    pub.plan("solver", 1, "h:1", now=now + timeout)
+    now += timeout
+    pub.loaded("bad", "solver", 1, ok=False, now=now)
+    assert pub.stale_actors("solver", 1, now=now + 2 * timeout - 0.1) == []
+    assert pub.stale_actors("solver", 1, now=now + 2 * timeout) == ["bad"]
+    assert pub.reload_backoff_s(100) == timeout * 16  # bounded
     # version 2: a full publish to every actor, "bad" included, and it may fail again
-    plan, _ = pub.plan("solver", 2, "h:1", now=100.0)
+    plan, _ = pub.plan("solver", 2, "h:1", now=1000.0)
     assert plan.members == ["bad", "good"]
     pub.done("solver", 2, 0.1, ok=True)
-    pub.loaded("good", "solver", 2, ok=True)
-    pub.loaded("bad", "solver", 2, ok=False)
-    assert pub.stale_actors("solver", 2, now=200.0) == ["bad"]
+    pub.loaded("good", "solver", 2, ok=True, now=1001.0)
+    pub.loaded("bad", "solver", 2, ok=False, now=1001.0)
+    assert pub.stale_actors("solver", 2, now=1001.0) == ["bad"]
     # a load that succeeds clears its count
     pub.loaded("bad", "solver", 2, ok=True)
     assert ("bad", "solver") not in pub.failed_loads
