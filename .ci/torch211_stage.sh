@@ -68,9 +68,7 @@ test_() {
     fi
   done
   set +e
-  # its own model cache: the SmolLM2 build must run on transformers 5.17 here, not be
-  # reused from a folder the main suite built (.ci/run shares one between its lanes)
-  env -u DRMAS_TEST_MODEL_CACHE PYTHONPATH="$(pwd)" "$VENV/bin/python" -m pytest -q -p no:cacheprovider --timeout=300 -m "not gpu and not vllm and not slurm" \
+  PYTHONPATH="$(pwd)" "$VENV/bin/python" -m pytest -q -p no:cacheprovider --timeout=300 -m "not gpu and not vllm and not slurm" \
     --durations=5 "${TESTS[@]}"
   code=$?
   set -e

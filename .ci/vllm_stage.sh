@@ -42,9 +42,7 @@ test_() {
   set +e
   # -v names each test as it starts, so a hang shows where; each test has 420 s (thread
   # method: a test stuck in native code still ends, with every thread's stack printed).
-  # its own builtin models, built by the vLLM venv's transformers (.ci/run shares a cache
-  # between the main suite's lanes only)
-  env -u DRMAS_TEST_MODEL_CACHE VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m pytest -v -m vllm \
+  VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m pytest -v -m vllm \
     --timeout=420 --timeout-method=thread --durations=15
   vcode=$?
   set -e

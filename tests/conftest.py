@@ -33,21 +33,11 @@ RESOURCE_TRACKER = "multiprocessing.resource_tracker"
 _exit_status = {"code": 0}
 
 
-MODEL_CACHE_ENV = "DRMAS_TEST_MODEL_CACHE"
-"""A folder shared by several pytest sessions (.ci/run's two lanes) as their model cache."""
-
-
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A builtin-model cache for the whole session: each builtin model (the tiny ones per
-    warm-start setting, SmolLM2 built from its GGUF file) is built once, by the first test
-    that needs it. Private to the session, unless DRMAS_TEST_MODEL_CACHE names a folder
-    that several sessions share: a build there is safe against concurrent callers (the
-    second waits for the first, drmas/cache.py)."""
-    shared = os.environ.get(MODEL_CACHE_ENV, "")
-    if shared:
-        Path(shared).mkdir(parents=True, exist_ok=True)
-        return Path(shared)
+    """A private builtin-model cache for the whole session: each builtin model (the tiny
+    ones per warm-start setting, SmolLM2 built from its GGUF file) is built once, by the
+    first test that needs it."""
     return tmp_path_factory.mktemp("drmas-cache")
 
 
