@@ -115,28 +115,44 @@ def test_a_model_that_finishes_meanwhile_is_not_lost() -> None:
     assert not s.lost
 
 
-def test_the_broker_loop_stops_a_run_that_lost_a_learner(tmp_path: Path) -> None:
+def loop_server(tmp_path: Path, *overrides: str, run_dir: bool = True) -> BrokerServer:
+    """A broker over two models whose folder holds only a config (vocabulary 64), 3 steps
+    of 2 groups of 2, no validation, no trackers, plus `overrides`; its run folder in
+    tmp_path/run unless `run_dir` is False."""
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    run = tmp_path / "run"
     cfg = load_config(
         [f"models.solver.path={folder}", f"models.verifier.path={folder}", "val.every=0",
-         "train.steps=3", "group_size=2", "batch_groups=2", "broker.learner_rejoin_s=0.5",
-         "logger=[]", f"run.dir={tmp_path / 'run'}"]
+         "train.steps=3", "group_size=2", "batch_groups=2", "logger=[]", *overrides,
+         *([f"run.dir={run}"] if run_dir else [])]
     )  # fmt: skip
-    (tmp_path / "run").mkdir()
-    server = BrokerServer(cfg, tmp_path / "run")
+    if run_dir:
+        run.mkdir()
+    return BrokerServer(cfg, run if run_dir else None)
+
+
+def say_hello(server: BrokerServer, actor: str) -> dict[str, BrokerClient]:
+    """Both models' rank-0 learners and one actor, each welcomed by `server`."""
+    peers = {}
+    for cid, role, models in [
+        ("learner-solver-0", "learner", ["solver"]),
+        ("learner-verifier-0", "learner", ["verifier"]),
+        (actor, "actor", ["solver", "verifier"]),
+    ]:
+        peers[cid] = BrokerClient(server.address, cid)
+        peers[cid].hello(role, models, timeout_s=10)  # type: ignore[arg-type]
+    return peers
+
+
+def test_the_broker_loop_stops_a_run_that_lost_a_learner(tmp_path: Path) -> None:
+    server = loop_server(tmp_path, "broker.learner_rejoin_s=0.5")
     loop = threading.Thread(target=server.serve, kwargs={"max_seconds": 60}, daemon=True)
     loop.start()
-    peers = {}
+    peers: dict[str, BrokerClient] = {}
     try:
-        for cid, role, models in [
-            ("learner-solver-0", "learner", ["solver"]),
-            ("learner-verifier-0", "learner", ["verifier"]),
-            ("actor-0", "actor", ["solver", "verifier"]),
-        ]:
-            peers[cid] = BrokerClient(server.address, cid)
-            peers[cid].hello(role, models, timeout_s=10)  # type: ignore[arg-type]
+        peers = say_hello(server, "actor-0")
         peers["learner-solver-0"].send(Goodbye("learner-solver-0", reason=SIGTERM))
         for cid in ("learner-verifier-0", "actor-0"):
             told = peers[cid].recv(20)
@@ -161,29 +177,14 @@ def test_a_signal_stops_the_broker_gracefully(tmp_path: Path) -> None:
     actor attached from elsewhere too, is told Shutdown at once; the broker serves on
     while a learner is still at work (it saves before it leaves), and ends when the last
     learner says Goodbye, with broker_summary.json written."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"vocab_size": 64}))
-    cfg = load_config(
-        [f"models.solver.path={folder}", f"models.verifier.path={folder}", "val.every=0",
-         "train.steps=3", "group_size=2", "batch_groups=2", "logger=[]",
-         f"run.dir={tmp_path / 'run'}"]
-    )  # fmt: skip
-    (tmp_path / "run").mkdir()
-    server = BrokerServer(cfg, tmp_path / "run")
+    server = loop_server(tmp_path)
     previous = signal.getsignal(signal.SIGTERM)
     server.install_signal_handlers()  # this thread's: the loop runs in another
     loop = threading.Thread(target=server.serve, kwargs={"max_seconds": 60}, daemon=True)
     loop.start()
-    peers = {}
+    peers: dict[str, BrokerClient] = {}
     try:
-        for cid, role, models in [
-            ("learner-solver-0", "learner", ["solver"]),
-            ("learner-verifier-0", "learner", ["verifier"]),
-            ("extra-actor", "actor", ["solver", "verifier"]),
-        ]:
-            peers[cid] = BrokerClient(server.address, cid)
-            peers[cid].hello(role, models, timeout_s=10)  # type: ignore[arg-type]
+        peers = say_hello(server, "extra-actor")
         os.kill(os.getpid(), signal.SIGTERM)
         for peer in peers.values():
             told = peer.recv(20)
@@ -208,15 +209,7 @@ def test_a_signal_stops_the_broker_gracefully(tmp_path: Path) -> None:
 def test_a_second_signal_stops_the_broker_at_once(tmp_path: Path) -> None:
     """A learner that never leaves cannot hold a stopped broker: a second signal ends it
     without waiting for broker.stop_grace_s."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"vocab_size": 64}))
-    cfg = load_config(
-        [f"models.solver.path={folder}", f"models.verifier.path={folder}", "val.every=0",
-         "train.steps=3", "group_size=2", "batch_groups=2", "logger=[]",
-         "broker.stop_grace_s=600"]
-    )  # fmt: skip
-    server = BrokerServer(cfg, None)
+    server = loop_server(tmp_path, "broker.stop_grace_s=600", run_dir=False)
     previous = signal.getsignal(signal.SIGTERM)
     server.install_signal_handlers()
     loop = threading.Thread(target=server.serve, kwargs={"max_seconds": 120}, daemon=True)
