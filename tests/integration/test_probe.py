@@ -64,23 +64,13 @@ def test_synthetic_probe_shows_inflation_and_deflation(tmp_path: Path, model_cac
     assert "step_global" in out.stdout  # the table is printed
 
 
-def test_sampled_probe_uses_the_teams_real_scores(tmp_path: Path, model_cache: Path):
-    run = tmp_path / "sampled"
-    out = drmas("probe", *SMALL, f"run.dir={run}", f"run.cache_dir={model_cache}", "probe.groups=4")
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads((run / "probe.json").read_text())
-    assert result["mode"] == "sampled" and result["rewards"] == {}
-    assert result["own_reward_steps"] == 0  # the default math team pays the team reward
-    # Real scores are team rewards (0/1) minus the 0.1 penalty of an unparseable action.
-    for agent, s in result["scores"].items():
-        assert -0.1 <= s["mean"] <= 1.0 and s["steps"] >= 4 * 4 // 4, agent
-    for by_base in result["agents"].values():
-        assert set(by_base) == {"global", "step_global"}
-
-
 def test_sampled_probe_scores_role_rewards(tmp_path: Path, model_cache: Path):
-    # workflow.rewards=role: every step of the math team carries its own Step.reward (0/1),
-    # and the probe scores the steps with those, as the broker does.
+    # Sampled (no probe.rewards): real hf engines play the team and the probe scores what
+    # they did. workflow.rewards=role: every step of the math team carries its own
+    # Step.reward (0/1), and the probe scores the steps with those, as the broker does.
+    # (Under team rewards the steps carry none and the episode's reward scores them: the
+    # probe's scoring of that case is tests/unit/test_probe_scores.py's, the team's
+    # tests/unit/test_role_rewards.py's.)
     run = tmp_path / "role"
     out = drmas(
         "probe", *SMALL, f"run.dir={run}", f"run.cache_dir={model_cache}", "probe.groups=4",
@@ -88,8 +78,12 @@ def test_sampled_probe_scores_role_rewards(tmp_path: Path, model_cache: Path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((run / "probe.json").read_text())
+    assert result["mode"] == "sampled" and result["rewards"] == {}
+    for by_base in result["agents"].values():
+        assert set(by_base) == {"global", "step_global"}
     steps = sum(s["steps"] for s in result["scores"].values())
     assert result["own_reward_steps"] == steps >= 4 * 4
+    # real scores are role rewards (0/1) minus the 0.1 penalty of an unparseable action
     for agent, s in result["scores"].items():
         assert -0.1 <= s["mean"] <= 1.0, agent
 

@@ -210,7 +210,10 @@ def test_update_during_generation_loses_nothing(
 
 
 def test_drmas_train_with_vllm_and_hf_pools(tmp_path: Path, model_cache: Path) -> None:
-    """One pool per agent: the Solver's model on vllm, the Verifier's on hf (actor.pools)."""
+    """One pool per agent: the Solver's model on vllm, the Verifier's on hf (actor.pools).
+    Full weights published into a running vLLM engine are this run's; several agents on one
+    vLLM engine are test_vllm_lora_live.py's `drmas train` (four agents, one engine), and a
+    model shared by two agents on one pool is the hf runs' (experiment=tiny_math_shared)."""
     run_dir = tmp_path / "run"
     out = drmas(
         "train",
@@ -235,28 +238,3 @@ def test_drmas_train_with_vllm_and_hf_pools(tmp_path: Path, model_cache: Path) -
     # last one can race the broker's end-of-training Shutdown, vLLM loads are slower)
     assert c["weight_digest_match"] >= 2
     assert summary["trained_groups"] == {"solver": 8, "verifier": 8}
-
-
-def test_drmas_train_with_one_shared_vllm_pool(tmp_path: Path, model_cache: Path) -> None:
-    """One pool shared by both agents: experiment=tiny_math_shared on one vLLM engine."""
-    run_dir = tmp_path / "run"
-    out = drmas(
-        "train",
-        *FAST,
-        "experiment=tiny_math_shared",
-        "models.policy.warmstart.steps=60",
-        "train.steps=2",
-        "val.every=0",
-        "actor.engine.name=vllm",
-        "+actor.engine.extra_args.enforce_eager=true",
-        "weights.timeout_s=60",
-        f"run.dir={run_dir}",
-        f"run.cache_dir={model_cache}",
-        timeout=420,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    assert "policy: vLLM engine on" in (run_dir / "logs" / "actor-0.log").read_text()
-    summary = read_summary(run_dir)
-    c = summary["counters"]
-    assert c.get("weight_digest_mismatch", 0) == 0 and c["weight_digest_match"] >= 1
-    assert summary["trained_groups"] == {"policy": 8}
