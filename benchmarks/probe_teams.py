@@ -27,6 +27,10 @@ from variant_runs import run_drmas  # noqa: E402
 OUT = REPO / "benchmarks" / "results" / "probe"
 
 SYNTHETIC = "probe.rewards={solver: [0, 3], verifier: [1, 0.3]}"
+LEMMA = (
+    "experiment=tiny_math_shared", "workflow.rewards=role", "algorithm.invalid_action_penalty=0",
+    "probe.baselines=[global,step_global,agent_turn]",
+)  # fmt: skip
 CASES: dict[str, tuple[str, ...]] = {
     "tiny_math_synthetic": (SYNTHETIC,),
     "tiny_math_sampled": (),
@@ -37,6 +41,10 @@ CASES: dict[str, tuple[str, ...]] = {
     "search_tiny_role_sampled_128g_seed1": (
         "experiment=search_tiny", "workflow.rewards=role", "probe.groups=128", "probe.seed=1",
     ),
+    # the lemma study's design (benchmarks/study_lemma.py): one shared model, role rewards,
+    # no penalty, the Verifier's rewards scaled by 0.1 (and the unscaled control)
+    "tiny_math_shared_role_scaled": (*LEMMA, "workflow.reward_scale.verifier=0.1"),
+    "tiny_math_shared_role": LEMMA,
 }  # fmt: skip
 """Case -> the overrides of its `drmas probe` (64 groups, seed 0 unless they say)."""
 

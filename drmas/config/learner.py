@@ -109,6 +109,7 @@ class ProbeConfig:
     baselines: Annotated[list[ProbeBaseline], Meta(min_length=1)] = field(
         default_factory=lambda: ["global", "step_global"]
     )
-    """Global baselines to compare with agent-wise advantages."""
+    """Advantage modes to compare with agent-wise advantages: the shared baselines (global,
+    step_global), the ablations (agent_mean, agent_std) or agent-and-turn (agent_turn)."""
     bootstrap: Positive = 2000
     """Bootstrap resamples of the groups for the 95 % intervals."""

@@ -55,8 +55,8 @@ ShareMode = Literal["auto", "exclusive", "shared"]
 """Whether actors may share the learners' GPUs."""
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
 """Where metrics lines go (the broker writes them)."""
-ProbeBaseline = Literal["global", "step_global", "agent_mean", "agent_std"]
-"""Global baselines `drmas probe` compares with agent-wise advantages."""
+ProbeBaseline = Literal["global", "step_global", "agent_mean", "agent_std", "agent_turn"]
+"""Advantage modes `drmas probe` compares with agent-wise advantages (`agent`)."""
 OnInvalid = Literal["continue", "end"]
 RewardKind = Literal["team", "role"]
 """team: every step scored with the episode's team reward; role: each agent paid for its

@@ -121,3 +121,21 @@ def test_credit_shares_tell_a_rescaling_from_a_credit_problem() -> None:
     # an agent whose scores do not vary in a group: nothing to explain, not counted
     flat = credit_shares([agents], [np.array([1.0, 0.0] * 4)], [adv])
     assert "solver" not in flat and "verifier" not in flat
+
+
+def test_agent_turn_is_a_mode_the_probe_compares() -> None:
+    """probe.baselines takes agent_turn: a Solver called twice per episode is normalised per
+    call (turn 0 with turn 0, turn 1 with turn 1), unlike `agent`, which pools its calls."""
+    cfg = load_config(["probe.baselines=[agent_turn]"])
+    solver_twice = [
+        Episode([_step("solver", True, None), _step("solver", True, None)], reward=0.0)
+    ] * 2
+    scores = [np.array([1.0, 10.0, 3.0, 20.0])]  # turn 0: 1, 3; turn 1: 10, 20
+    (out,) = probe_advantages(cfg, [solver_twice], scores)
+    assert sorted(out) == ["agent", "agent_turn"]
+    # agent_turn: turn 0 μ 2, σ √2 -> ∓1/√2; turn 1 μ 15, σ √50 -> ∓5/√50 = ∓1/√2
+    assert out["agent_turn"] == pytest.approx(
+        [-(0.5**0.5), -(0.5**0.5), 0.5**0.5, 0.5**0.5], rel=1e-5
+    )
+    # agent: one pool of 1, 10, 3, 20 (μ 8.5): the turn-1 calls get the larger advantages
+    assert abs(out["agent"][3]) > abs(out["agent"][2])
