@@ -399,6 +399,20 @@ class Trainer:
             return self.lora.specs(self.model, self.publish_dtype, adapters)
         return model_io.param_specs(self.model, self.publish_dtype)
 
+    def non_finite(self) -> list[str]:
+        """The trainable parameters that hold a NaN or an inf on any rank, by name, sorted
+        (a collective: every rank must call it). Non-finite gradients already skip their
+        optimizer step; this catches weights that became non-finite anyway (an overflow in
+        the update itself), so they are never published or saved as the new version."""
+        names = [
+            name
+            for name, p in self.model.named_parameters()
+            if p.requires_grad and not bool(torch.isfinite(_local(p.detach())).all())
+        ]
+        gathered: list[list[str] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, names)
+        return sorted({n for part in gathered for n in part or []})
+
     def full_state_dict_iter(
         self, device: torch.device | str | None = "cpu", dtype: torch.dtype | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,85 @@
+"""A learner never publishes non-finite weights: after every optimizer step it looks for NaN
+or inf in what it trains (Trainer.non_finite, a collective, so every rank agrees) and, if
+any, stops with an error naming the model, the step and the parameters, before the
+publish. In process: the builtin tiny model (not warm-started), a one-rank gloo group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+import torch
+
+from drmas.config import AgentConfig, DrmasConfig
+from drmas.config.model import LoraConfig, ModelConfig, WarmStartConfig
+from drmas.learners.main import Learner, NonFiniteWeights
+from drmas.models.builtin import resolve_model_path
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cache = tmp_path_factory.mktemp("cache")
+    return resolve_model_path("builtin:tiny-qwen2", str(cache), WarmStartConfig(steps=0))
+
+
+def config(model_path: Path, lora_rank: int = 0) -> DrmasConfig:
+    return DrmasConfig(
+        models={
+            "policy": ModelConfig(
+                path=str(model_path), precision="fp32", lora=LoraConfig(rank=lora_rank)
+            )
+        },
+        agents={"solver": AgentConfig(model="policy"), "verifier": AgentConfig(model="policy")},
+    )
+
+
+def poison(trainer: Any, pick: str, value: float) -> str:
+    """Write `value` into the first element of the first parameter whose name has `pick`."""
+    name, param = next((n, p) for n, p in trainer.model.named_parameters() if pick in n)
+    with torch.no_grad():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        local.view(-1)[0] = value
+    return cast(str, name)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_weight_is_named(model_path: Path, group: None, value: float) -> None:
+    from drmas.learners.trainer import Trainer
+
+    trainer = Trainer(config(model_path), "policy", 0, 1, "cpu")
+    assert trainer.non_finite() == []
+    name = poison(trainer, "layers.1.mlp", value)
+    assert trainer.non_finite() == [name]
+
+
+def test_on_a_lora_base_only_the_adapters_are_checked(model_path: Path, group: None) -> None:
+    """The frozen base is neither trained nor published: only the adapters count."""
+    from drmas.learners.trainer import Trainer
+
+    trainer = Trainer(config(model_path, lora_rank=4), "policy", 0, 1, "cpu")
+    poison(trainer, "base_layer", float("nan"))
+    assert trainer.non_finite() == []
+    adapter = poison(trainer, "lora_B.verifier", float("inf"))
+    assert trainer.non_finite() == [adapter]
+
+
+def test_the_learner_stops_before_publishing_naming_model_and_step() -> None:
+    """Learner.step raises before it reports the step: the publish that follows it never
+    runs, so the actors keep the last finite version."""
+    reports: list[Any] = []
+    learner = Learner.__new__(Learner)
+    learner.model, learner.version, learner.rank = "policy", 6, 0
+    learner.trainer = cast(Any, SimpleNamespace(
+        step=lambda shard, tick: {"loss/policy": 0.1},
+        non_finite=lambda: ["model.layers.0.mlp.up_proj.weight"],
+    ))  # fmt: skip
+    learner.beat = cast(Any, SimpleNamespace(maybe_send=lambda: None, version=6))
+    learner._client = cast(Any, SimpleNamespace(send=reports.append))
+    with pytest.raises(NonFiniteWeights) as err:
+        learner.step(cast(Any, None), waited_s=0.0)
+    text = str(err.value)
+    assert "policy: step 7 left NaN or inf in 1 parameter(s)" in text
+    assert "model.layers.0.mlp.up_proj.weight" in text and "keep serving v6" in text
+    assert learner.version == 6 and reports == []  # no StepReport for the broken step
