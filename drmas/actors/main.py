@@ -251,7 +251,7 @@ class Actor:
             task = self.running.pop(lease_id)
             lease = self.leases.pop(lease_id)
             seconds = time.monotonic() - self.started_at.pop(lease_id)
-            exc = task.exception()
+            exc = _failure(task)
             if exc is not None:  # the team's code raised: the group is tried again elsewhere
                 self.client.send(LeaseReturn(self.id, [lease_id], repr(exc)[:REASON_CHARS]))
                 if self.failures.failed(exc, lease.group_id):
@@ -440,3 +440,13 @@ def run_actor(cfg: DrmasConfig, actor_id: str = "") -> int:
         print(f"drmas actor: {actor.gave_up.stop_message()}", file=sys.stderr, flush=True)
         return STOP_EXIT_CODE
     return 0
+
+
+def _failure(task: asyncio.Task[list[Episode]]) -> BaseException | None:
+    """What ended a finished episode task, None if it returned. A task cancelled from
+    inside (the team's code cancelled itself or awaited something cancelled) is a failed
+    group too: its lease goes back, counted like an exception (asking a cancelled task
+    for its exception would raise instead)."""
+    if task.cancelled():
+        return asyncio.CancelledError("the group's task was cancelled before it returned")
+    return task.exception()

@@ -214,6 +214,34 @@ def test_the_actor_hands_leases_back_and_stops_after_the_limit(
     assert path is not None and read_report(path) == actor.gave_up
 
 
+def test_a_group_task_cancelled_from_inside_hands_its_lease_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A team coroutine that ends cancelled (it cancelled itself, or awaited something that
+    was) is a failed group: its lease goes back and it counts toward the limit; the actor
+    does not crash asking the task for its exception."""
+    cfg = load_config(["actor.engine.name=sim", f"run.dir={tmp_path}"])
+    actor = Actor(cfg, "actor-0")
+    sent: list[object] = []
+    monkeypatch.setattr(actor.client, "send", sent.append)
+
+    async def cancelled() -> list[Episode]:
+        raise asyncio.CancelledError
+
+    async def main() -> None:
+        actor.leases[1], actor.started_at[1] = lease(1), 0.0
+        actor.running[1] = asyncio.create_task(cancelled())
+        await asyncio.sleep(0)
+        assert actor.running[1].cancelled()
+        await actor.send_finished()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+    (returned,) = sent
+    assert isinstance(returned, LeaseReturn) and returned.lease_ids == [1]
+    assert "CancelledError" in returned.reason and "cancelled before it returned" in returned.reason
+    assert actor.failures.in_a_row == 1 and not actor.running and not actor.leases
+
+
 def test_drmas_train_prints_the_first_failure_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
