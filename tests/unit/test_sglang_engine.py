@@ -610,7 +610,9 @@ def test_lora_adapters_load_per_version_and_old_ones_unload_once_unused(
                 during.append(fake_state(engine)["adapters"])
 
             v2 = await publish_adapters(engine, sender, lora_model_dir, 2, while_paused=loaded)
-            assert during == [["solver-v1-1", "solver-v2-3", "verifier-v2-4"]]
+            # while paused v2 is staged beside v1: nothing switches before the load is
+            # verified; v1's verifier unloads when v2 serves, v1's solver once unused
+            assert during == [["solver-v1-1", "solver-v2-3", "verifier-v1-2", "verifier-v2-4"]]
             old = await inflight
             assert old.version == 1
             assert old.logprobs == pytest.approx([adapter_logprob(v1, "solver")] * 4)
@@ -702,6 +704,6 @@ def test_lora_publish_that_fails_leaves_the_previous_adapters(lora_model_dir: Pa
     with pytest.raises(ValueError, match=r"'base_model\..*critic.*', not a tensor of adapters"):
         adapters.receive(critic[:5], 2)
     refuse.clear()
-    assert adapters.receive(named, 3) and adapters.digest == digest_of(named)
-    assert sorted(adapters.slots.current) == ADAPTERS
+    assert adapters.receive(named, 3) and adapters.commit() == 3
+    assert adapters.digest == digest_of(named) and sorted(adapters.slots.current) == ADAPTERS
     adapters.close()

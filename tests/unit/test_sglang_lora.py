@@ -62,9 +62,10 @@ def test_each_adapter_alone_loads_at_its_last_tensor(model_path: Path, sent: Nam
     loaded = [adapters.receive([pair], 1) for pair in verifier]
     assert loaded == [False] * (len(verifier) - 1) + [True]
     assert server.calls == [("/load_lora_adapter", "verifier-v1-1")]
-    assert sorted(adapters.slots.current) == ["verifier"]
+    assert adapters.slots.current == {}  # staged: it serves once committed
+    assert adapters.commit() == 1 and sorted(adapters.slots.current) == ["verifier"]
     kept = adapters.slots.current["verifier"]
-    assert adapters.receive(of(sent, "solver"), 2)
+    assert adapters.receive(of(sent, "solver"), 2) and adapters.commit() == 2
     assert adapters.slots.current["verifier"] is kept
     assert adapters.digest == digest_of(sent)
     assert adapters.receive([], 2)  # the actor's end of that publish: nothing more
@@ -74,8 +75,10 @@ def test_each_adapter_alone_loads_at_its_last_tensor(model_path: Path, sent: Nam
 
 def test_a_publish_of_nothing_loads_nothing(model_path: Path, sent: Named) -> None:
     adapters, server = started(model_path)
-    assert adapters.receive([], 1) and server.calls == [] and adapters.slots.current == {}
-    assert adapters.receive(sent, 2) and adapters.receive([], 3)
+    assert adapters.receive([], 1) and adapters.commit() == 1
+    assert server.calls == [] and adapters.slots.current == {}
+    assert adapters.receive(sent, 2) and adapters.commit() == 2
+    assert adapters.receive([], 3) and adapters.commit() == 3
     assert adapters.digest == digest_of(sent) and len(server.calls) == 2
     adapters.close()
 
@@ -88,7 +91,7 @@ def test_a_publish_that_ends_with_an_adapter_in_part_fails(model_path: Path, sen
     with pytest.raises(ValueError, match=r"ended with adapter\(s\) \['solver', 'verifier'\]"):
         adapters.receive([], 1)
     assert server.calls == [] and adapters.slots.current == {}
-    assert adapters.receive(sent, 1)  # the re-publish loads whole
+    assert adapters.receive(sent, 1) and adapters.commit() == 1  # the re-publish loads whole
     adapters.close()
 
 
@@ -108,7 +111,36 @@ def test_a_publish_out_of_order_twice_or_with_a_gap_is_refused(
     with pytest.raises(ValueError, match=problem):
         adapters.receive(mangle(sent), 1)
     assert server.calls == [] and adapters.slots.current == {}
-    assert adapters.receive(sent, 2) and adapters.digest == digest_of(sent)
+    assert adapters.receive(sent, 2) and adapters.commit() == 2
+    assert adapters.digest == digest_of(sent)
     with pytest.raises(ValueError, match="after version 2's publish was whole"):
         adapters.receive(sent[:1], 2)
+    adapters.close()
+
+
+def test_a_staged_publish_serves_only_once_committed(model_path: Path, sent: Named) -> None:
+    """Whole is not verified: a publish is staged in the server when its last tensor
+    arrives, before the receiver checks the digest trailer. Discarded (the check failed),
+    its new versions are unloaded and the previous ones keep serving; committed, it
+    serves."""
+    adapters, server = started(model_path)
+    assert adapters.receive(sent, 1) and adapters.commit() == 1
+    serving = dict(adapters.slots.current)
+    before = adapters.digest
+    other = published(peft_model(model_path, seed=2))
+    assert adapters.receive(other, 2)
+    assert adapters.staged_digest == digest_of(other) != before
+    assert adapters.slots.current == serving and adapters.acquire("solver") is serving["solver"]
+    adapters.discard()  # the actor's restore_weights after a digest mismatch
+    assert adapters.slots.current == serving and adapters.digest == before
+    assert adapters.staged_digest == "" and adapters.commit() is None
+    assert server.calls[-2:] == [
+        ("/unload_lora_adapter", "solver-v2-3"), ("/unload_lora_adapter", "verifier-v2-4"),
+    ]  # fmt: skip
+    assert adapters.root is not None
+    assert sorted(p.name for p in adapters.root.iterdir()) == sorted(
+        loaded.lora_name for loaded in serving.values()
+    )
+    assert adapters.receive(other, 3) and adapters.commit() == 3
+    assert adapters.digest == digest_of(other)
     adapters.close()

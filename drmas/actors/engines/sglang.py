@@ -207,9 +207,15 @@ class SGLangEngine:
         )
 
     async def resume(self) -> None:
-        """Close the weight-update session (if one is open), then continue generation
-        even when closing failed (the error is raised after)."""
+        """Make a staged LoRA publish serve (the actor resumes after a load that went
+        through, digest checked; after a failed one it discarded the staged publish
+        first), close the weight-update session (if one is open), then continue generation
+        even when either failed (the error is raised after)."""
         try:
+            if self.adapters is not None:
+                committed = await asyncio.to_thread(self.adapters.commit)
+                if committed is not None:
+                    self.version = committed
             if self._session is not None:
                 self._session = None
                 await asyncio.to_thread(
@@ -232,17 +238,16 @@ class SGLangEngine:
         """Forward one received bucket to the server (called from the actor's receive
         thread, the engine paused). Failing tears the bridge down; the next publish
         builds a new one. On a LoRA base the buckets are kept until the publish is whole,
-        then the adapters it carried are loaded as new versions (sglang_lora.py); a call
-        without tensors ends a publish (one that carried none sets the version only); the
-        bridge is not used."""
+        then the adapters it carried are loaded as new versions, which serve (and set the
+        engine's version) once `resume` commits them (sglang_lora.py); a call without
+        tensors ends a publish; the bridge is not used."""
         from drmas.transports.digest import Digest
         from drmas.transports.weights import spec_of
 
         from .sglang_bridge import Rendezvous
 
-        if self.adapters is not None:  # a LoRA base: adapters, loaded by folder
-            if self.adapters.receive(named_tensors, version):
-                self.version = version
+        if self.adapters is not None:  # a LoRA base: adapters, loaded by folder, staged
+            self.adapters.receive(named_tensors, version)  # until resume() commits them
             return
         batch = list(named_tensors)
         if not batch:
@@ -284,8 +289,8 @@ class SGLangEngine:
         server's own weights cannot be read back in full over HTTP); on a LoRA base, of every
         adapter: the folders the server loaded, read back, and the initial tensors of those
         no publish carried yet ("" before the first publish)."""
-        if self.adapters is not None:
-            return self.adapters.digest
+        if self.adapters is not None:  # a staged publish: what serves once resumed
+            return self.adapters.staged_digest or self.adapters.digest
         return self._digest.hexdigest() if self._digest is not None else ""
 
     def expected_weights(self, adapters: Sequence[str]) -> Expected | None:
@@ -301,8 +306,9 @@ class SGLangEngine:
 
     def backup_weights(self) -> object:
         """RollsBack (engines/__init__.py): on a LoRA base a publish switches adapters only
-        once all of it loaded, so a failed one leaves the previous version serving; None
-        (cannot roll back: the server loads buckets in place) otherwise."""
+        when the engine resumes after a load that went through, so a failed one (restore
+        discards what it staged) leaves the previous version serving; None (cannot roll
+        back: the server loads buckets in place) otherwise."""
         return self.version if self.adapters is not None else None
 
     def restore_weights(self, backup: object) -> None:

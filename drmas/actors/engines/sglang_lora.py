@@ -20,6 +20,13 @@ out of order, twice, or with a gap are refused. A call without tensors ends a pu
 (the actor's call for a publish that carried none, or after its last bucket): one still
 in part then fails.
 
+A publish goes live only once it is verified: when it is whole its adapters are loaded
+into the server under their new names (staged), but requests keep running on the
+versions they had until `commit`, which SGLangEngine calls when it resumes after a load
+that went through (the receiver has checked the digest trailer by then). A load that
+fails after staging (a digest mismatch, a late error) is `discard`ed: the staged
+versions are unloaded and their folders deleted, and the previous ones keep serving.
+
 Why a new name per version and not unload-then-load under one name: SGLang refuses a
 second adapter of a name it holds, and its unload waits (holding its adapter-update lock,
 without a timeout) until every request on the adapter has finished, which a request
@@ -107,7 +114,10 @@ class SGLangAdapters:
         self._last = ""
         """The largest name received of the pending publish."""
         self._done = False
-        """The pending version's publish was whole and is loaded."""
+        """The pending version's publish was whole and is staged."""
+        self._staged: tuple[int, dict[str, Loaded], str] | None = None
+        """(version, adapter -> its new version loaded in the server, the digest once they
+        serve): a whole publish waiting for `commit` (or `discard`)."""
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # slots: the event loop and the receive thread
 
@@ -128,8 +138,9 @@ class SGLangAdapters:
 
     def receive(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> bool:
         """Keep one bucket of `version`'s publish (copies: the receiver reuses its buffer);
-        once the publish is whole, load the adapters it carried. No tensors: the publish
-        ended (one that carried none is whole). True when the version is loaded."""
+        once the publish is whole, load the adapters it carried into the server, staged
+        (they serve after `commit`). No tensors: the publish ended (one that carried none
+        is whole). True when the version is staged."""
         batch = list(named_tensors)
         if version != self._pending_version:
             self._pending, self._pending_version, self._last, self._done = {}, version, "", False
@@ -153,7 +164,7 @@ class SGLangAdapters:
             started = sorted({adapter_of_param(n) for n in self._pending})
             self._refuse(f"version {version}'s publish ended with adapter(s) {started} in part")
         pending, self._pending = self._pending, {}
-        self._load(version, sorted(pending.items()))
+        self._stage(version, sorted(pending.items()))
         self._done = True
         return True
 
@@ -178,13 +189,47 @@ class SGLangAdapters:
         raise ValueError(f"{self.model_name}: {problem}")
 
     def discard(self) -> None:
-        """Forget a publish received in part (it failed)."""
+        """Forget a publish that failed: what was received of it, and the versions it
+        staged in the server (unloaded, their folders deleted). The previous versions
+        keep serving."""
         self._pending, self._pending_version, self._last, self._done = {}, -1, "", False
+        self._drop_staged()
 
-    def _load(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Write one folder per adapter received, load each as a new name, then switch to
-        them (the other adapters keep theirs); on any failure the new ones are unloaded and
-        deleted and nothing is switched."""
+    def _drop_staged(self) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            for loaded in staged[1].values():
+                self.unload(loaded)
+            log.warning("%s: version %d discarded before it served", self.model_name, staged[0])
+
+    @property
+    def staged_digest(self) -> str:
+        """The digest once the staged publish serves ("" when none is staged)."""
+        return self._staged[2] if self._staged is not None else ""
+
+    def commit(self) -> int | None:
+        """Make the staged publish serve: switch its adapters to their new versions (the
+        others keep theirs) and unload what no request uses any more. Returns its version,
+        None when nothing was staged."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return None
+        version, new, digest = staged
+        with self._lock:
+            unused = self.slots.switch(new)
+        for adapter in new:
+            self._initial.pop(adapter, None)
+        self.digest = digest
+        for old in unused:
+            self.unload(old)
+        log.info("%s: adapters %s of version %d serve", self.model_name, sorted(new), version)
+        return version
+
+    def _stage(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Write one folder per adapter received and load each into the server under a new
+        name, switching nothing (`commit` does); on any failure the new ones are unloaded
+        and deleted."""
+        self._drop_staged()  # one never committed nor discarded would never serve
         assert self.root is not None, "SGLangAdapters.start() first"
         new: dict[str, Loaded] = {}
         for adapter in sorted({adapter_of_param(name) for name, _ in named}):
@@ -208,14 +253,8 @@ class SGLangAdapters:
             for folder in folders.values():
                 shutil.rmtree(folder, ignore_errors=True)
             raise
-        with self._lock:
-            unused = self.slots.switch(new)
-        for adapter in new:
-            self._initial.pop(adapter, None)
-        self.digest = digest
-        for old in unused:
-            self.unload(old)
-        log.info("%s: adapters %s of version %d loaded", self.model_name, sorted(new), version)
+        self._staged = (version, new, digest)
+        log.info("%s: adapters %s of version %d staged", self.model_name, sorted(new), version)
 
     def _digest_with(self, new: dict[str, Loaded]) -> str:
         """The digest once `new` serves: every adapter, read back from its folder where one
