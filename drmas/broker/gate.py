@@ -400,6 +400,10 @@ class Gate:
             _invalid(f"publish done for {msg.model} v{msg.version}; the plan was for v{planned}")
         self._text(msg.error, "error")
         self._text(msg.digest, "digest")
+        members = set(self.state.weights.members.get(msg.model, ()))
+        strangers = sorted(set(msg.left_out) - members)
+        if strangers or len(set(msg.left_out)) != len(msg.left_out):
+            _invalid(f"publish done names {strangers or 'a member twice'} as left out; not members")
 
     # ---------------------------------------------------------------- fields
     @property

@@ -32,6 +32,12 @@ back-off, while actors whose loads failed through no fault of their own (a membe
 never joined the group) get the version once the cause is gone: with every actor behind,
 no group can be generated and the run would otherwise wait for a next version for ever.
 
+A publish begins with a roll call (drmas/transports/weights/group.py): learner rank 0
+sends only to the members that check in with the token within weights.join_timeout_s and
+names the others in PublishDone.left_out. Those are behind, re-published to as above, and
+an actor left out of MAX_MISSED_JOINS publishes in a row is dropped (a connection that
+registers as an actor and never joins cannot slow every publish for ever).
+
 Bounded: digests are kept for the last three versions of each model only.
 """
 
@@ -41,6 +47,7 @@ import collections
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from drmas.broker.leases import ActorRecord
@@ -59,6 +66,11 @@ after a back-off (reload_backoff_s): a broken actor cannot make its learner re-p
 tight loop."""
 MAX_BACKOFF_STEPS = 4
 """The back-off doubles at most this many times (16 × weights.timeout_s)."""
+MAX_MISSED_JOINS = 3
+"""Publishes in a row an actor was left out of (it did not check in within
+weights.join_timeout_s) after which the broker drops it: a connection that says Hello and
+heartbeats but never joins costs at most this many join timeouts. A real actor dropped so
+is told unknown_client at its next message and says Hello again."""
 
 
 class WeightPublishing:
@@ -91,6 +103,9 @@ class WeightPublishing:
         # (actor, model) -> (version, failed loads of it in a row, time of the last one)
         self.failed_loads: dict[tuple[str, str], tuple[int, int, float]] = {}
         self.closed = False  # the run is over and actors were told to stop: publish to none
+        self.members: dict[str, list[str]] = {}  # model -> members of its last plan
+        self.missed_joins: collections.Counter[str] = collections.Counter()  # in a row
+        self.never_joined: list[str] = []  # reached MAX_MISSED_JOINS: for the state to drop
 
     def stale_actors(self, model: str, version: int, now: float) -> list[str]:
         """Actors holding weights older than `version` while no publish of `model` is in
@@ -143,6 +158,7 @@ class WeightPublishing:
             members = sorted(a.client_id for a in self.actors.values() if model in a.models)
             full = True
         self.planned[model] = version
+        self.members[model] = members
         adapters = self._adapters(model, version, members)
         name, token = self._group_name(model, store_address, members, full)
         timeout = self.cfg.weights.timeout_s
@@ -204,12 +220,15 @@ class WeightPublishing:
         ok: bool,
         digest: str = "",
         sent_bytes: int = 0,
+        left_out: Sequence[str] = (),
     ) -> None:
-        """The learner's publish of `version` ended (PublishDone; or a plan without members)."""
+        """The learner's publish of `version` ended (PublishDone; or a plan without members).
+        `left_out`: members that did not check in at its roll call (see `_left_out`)."""
         self.counters["weight_publishes" if ok else "weight_publishes_failed"] += 1
         self.in_flight.pop(model, None)
-        if not ok:
+        if not ok or left_out:  # a group of other members formed: the next one is new
             self.forget_group(model)
+        self._left_out(model, version, left_out)
         if ok and digest:
             self.sent_digest[(model, version)] = digest
             self._compare(model, version)
@@ -221,6 +240,32 @@ class WeightPublishing:
             if model in self.carried:
                 values[f"publish_adapters/{model}"] = float(self.carried[model])
             self.metrics.report(version, model, "publish", values, dict(self.counters))
+
+    def _left_out(self, model: str, version: int, left_out: Sequence[str]) -> None:
+        """Members that missed a publish's roll call are behind: re-published to like an
+        actor whose load failed (with its back-off), and dropped after MAX_MISSED_JOINS
+        publishes in a row (collected in `never_joined` for BrokerState.drop_actor)."""
+        now = time.monotonic()
+        for client_id in left_out:
+            if client_id not in self.actors:
+                continue  # it said Goodbye or was dropped meanwhile
+            self.counters["weight_joins_missed"] += 1
+            self._failed(client_id, model, version, now)
+            self.missed_joins[client_id] += 1
+            if self.missed_joins[client_id] == MAX_MISSED_JOINS:
+                log.error(
+                    "%s missed %d weight publishes in a row (never checked in within "
+                    "weights.join_timeout_s): dropping it",
+                    client_id, MAX_MISSED_JOINS,
+                )  # fmt: skip
+                self.never_joined.append(client_id)
+
+    def take_never_joined(self) -> list[str]:
+        """Actors to drop now (each once): they missed MAX_MISSED_JOINS publishes in a row."""
+        taken, self.never_joined = self.never_joined, []
+        for client_id in taken:
+            self.missed_joins.pop(client_id, None)
+        return taken
 
     def loaded(
         self,
@@ -239,6 +284,7 @@ class WeightPublishing:
             self._failed(client_id, model, version, time.monotonic() if now is None else now)
         else:
             self.failed_loads.pop((client_id, model), None)
+            self.missed_joins.pop(client_id, None)
         self.counters["weight_loads" if ok else "weight_loads_failed"] += 1
         if ok and digest and version >= self._oldest_compared(model):
             self.loaded_digest.setdefault((model, version), {})[client_id] = digest

@@ -463,7 +463,11 @@ class BrokerServer:
         if isinstance(msg, PublishDone):
             if not msg.ok:
                 log.warning("publish of %s v%d failed: %s", msg.model, msg.version, clip(msg.error))
-            weights.done(msg.model, msg.version, msg.seconds, msg.ok, msg.digest, msg.bytes)
+            weights.done(
+                msg.model, msg.version, msg.seconds, msg.ok, msg.digest, msg.bytes, msg.left_out
+            )
+            for client_id in weights.take_never_joined():
+                self.state.drop_actor(client_id, "never joined")
             return
         if not msg.ok:
             log.warning(

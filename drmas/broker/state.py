@@ -64,6 +64,7 @@ ACTORS_DROPPED = {
     "re-registered": "actors_re_registered",
     "lost": "actors_lost",
     "left": "actors_left",
+    "never joined": "actors_never_joined",
 }
 """Why an actor was removed -> its counter."""
 

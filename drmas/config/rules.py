@@ -95,6 +95,12 @@ def _check_models(cfg: DrmasConfig) -> None:
 def _check_counts(cfg: DrmasConfig) -> None:
     if cfg.val.every and cfg.val.n < cfg.val.k:
         raise ConfigError(f"val.n ({cfg.val.n}) must be >= val.k ({cfg.val.k})")
+    if cfg.weights.join_timeout_s > cfg.weights.timeout_s:
+        raise ConfigError(
+            f"weights.join_timeout_s ({cfg.weights.join_timeout_s:g}) must be <= "
+            f"weights.timeout_s ({cfg.weights.timeout_s:g}): members wait for the roll call "
+            "within the group's timeout"
+        )
     if cfg.group_size < 2 and cfg.algorithm.advantage.scope == "group":
         raise ConfigError("group_size must be >= 2 for group-relative advantages")
     if cfg.task.name in ("jsonl", "parquet") and not cfg.task.train_path:

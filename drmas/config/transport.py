@@ -15,6 +15,11 @@ class WeightSyncConfig:
     """Parameters are flattened into buckets of about this many MiB per broadcast."""
     timeout_s: Seconds = 60.0
     """Every rendezvous and broadcast of the weight group times out after this."""
+    join_timeout_s: Seconds = 10.0
+    """How long learner rank 0 waits for a publish's members to check in (each proves the
+    group's token through the weight store) before it sends to those that did: a member
+    that is late, said Goodbye or never comes is left out of that publish and gets the
+    version at a later one, so one such actor costs a publish at most this long."""
     backend: WeightsBackend = "auto"
     """auto: nccl when the learner is on CUDA, else gloo."""
     host: str = "127.0.0.1"

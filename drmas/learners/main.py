@@ -81,10 +81,6 @@ class LearnerDropped(RuntimeError):
     """The broker answered unknown_client: it no longer knows this learner rank."""
 
 
-class NonFiniteWeights(RuntimeError):
-    """An optimizer step left NaN or inf in the model: nothing of it is published or saved."""
-
-
 class Learner:
     """Rank `rank` of `model`'s learner group: trains until train.steps or the broker says
     done, then saves the model to RUN_DIR/models/<model>. `run()` is the whole life."""
@@ -275,15 +271,7 @@ class Learner:
         shard took to come (is this learner the bottleneck, or the actors?)."""
         start = time.monotonic()
         metrics = self.trainer.step(shard, tick=self.beat.maybe_send)
-        bad = self.trainer.non_finite()  # every rank: the same answer, so all stop together
-        if bad:
-            raise NonFiniteWeights(
-                f"{self.model}: step {self.version + 1} left NaN or inf in {len(bad)} "
-                f"parameter(s) ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); they "
-                f"are not published to the actors (they keep serving v{self.version}) nor "
-                "saved. Lower models.<model>.lr (or learner.grad_clip) and continue from the "
-                "last checkpoint: drmas train run.resume=RUN_DIR ..."
-            )
+        self.trainer.refuse_non_finite(self.version + 1)  # before it is reported or published
         metrics[f"batch_wait_s/{self.model}"] = waited_s
         metrics[f"train_s/{self.model}"] = time.monotonic() - start
         self.version += 1
@@ -351,9 +339,14 @@ class Learner:
                 peers=plan.members,
                 token=plan.token,
                 digest=digest if verify else None,
+                version=version,
             )
-            fingerprint = digest.hexdigest() if verify else ""
-            done = PublishDone(model, version, stats.seconds, stats.bytes, digest=fingerprint)
+            sent_any = len(stats.left_out) < members  # else nothing was streamed (nor hashed)
+            fingerprint = digest.hexdigest() if verify and sent_any else ""
+            left_out = [plan.members[rank - 1] for rank in stats.left_out]
+            done = PublishDone(
+                model, version, stats.seconds, stats.bytes, digest=fingerprint, left_out=left_out
+            )
         except WeightSyncError as exc:
             log.warning("%s v%d: weight broadcast failed, going on: %s", model, version, exc)
             seconds = time.monotonic() - start

@@ -399,6 +399,20 @@ class Trainer:
             return self.lora.specs(self.model, self.publish_dtype, adapters)
         return model_io.param_specs(self.model, self.publish_dtype)
 
+    def refuse_non_finite(self, step: int) -> None:
+        """Raise NonFiniteWeights if `step` left NaN or inf in what this model trains (every
+        rank gets the same answer from `non_finite`, so all stop together)."""
+        bad = self.non_finite()
+        if bad:
+            more = ", ..." if len(bad) > 3 else ""
+            raise NonFiniteWeights(
+                f"{self.name}: step {step} left NaN or inf in {len(bad)} parameter(s) "
+                f"({', '.join(bad[:3])}{more}); they are not published to the actors (they keep "
+                f"serving v{step - 1}) nor saved. Lower models.{self.name}.lr (or "
+                "learner.grad_clip) and continue from the last checkpoint: drmas train "
+                "run.resume=RUN_DIR ..."
+            )
+
     def non_finite(self) -> list[str]:
         """The trainable parameters that hold a NaN or an inf on any rank, by name, sorted
         (a collective: every rank must call it). Non-finite gradients already skip their
@@ -441,6 +455,10 @@ class Trainer:
             model_io.save_hf_folder(lm, state, self.source, Path(out_dir))
             log.info("saved %s to %s", self.name, out_dir)
         dist.barrier()
+
+
+class NonFiniteWeights(RuntimeError):
+    """An optimizer step left NaN or inf in the model: nothing of it is published or saved."""
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -409,6 +409,9 @@ class PublishDone(_Msg, tag="publish_done"):
     # fingerprint of the weights sent ("" = not computed); on a LoRA base, of every adapter
     # at `version`, also those the publish did not carry (what each actor must then hold)
     digest: Text = ""
+    # members of the plan that did not check in with the token in time (the roll call):
+    # nothing was sent to them; the broker re-publishes to them, or drops one that never comes
+    left_out: Annotated[list[Id], msgspec.Meta(max_length=MAX_LIST)] = []
 
 
 # ------------------------------------------------------------------- control

@@ -489,6 +489,33 @@ def test_a_weight_group_plan_names_only_registered_actors(server: BrokerServer) 
     assert server.state.counters["weight_digest_match"] == 1
 
 
+def test_an_actor_that_never_checks_in_is_dropped_after_three_publishes(
+    server: BrokerServer,
+) -> None:
+    """A connection that registers as an actor and heartbeats but never joins a weight
+    group: each PublishDone names it left out; the third in a row drops it (its next
+    message is answered unknown_client). A left_out naming a non-member is refused."""
+    learner, actor = Peer(server, "L"), Peer(server, "a")
+    assert isinstance(learner.hello("learner", ["solver"]), Welcome)
+    assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
+    plan = learner.ask(PublishRequest("solver", 0, "127.0.0.1:1"))
+    assert isinstance(plan, WeightGroupPlan) and plan.members == ["a"]
+    assert refused(learner.ask(PublishDone("solver", 0, 0.1, 0, left_out=["x"])), "invalid")
+    st = server.state
+    for version in range(3):
+        if version:
+            st.versions["solver"] = version
+            plan = learner.ask(PublishRequest("solver", version, "127.0.0.1:1"))
+            assert isinstance(plan, WeightGroupPlan) and plan.members == ["a"]
+        learner.send(PublishDone("solver", version, 0.1, 0, left_out=["a"]))
+        learner.next(0.2)
+    assert st.counters["weight_joins_missed"] == 3 and st.counters["actors_never_joined"] == 1
+    assert "a" not in st.table.actors
+    while isinstance(actor.next(0.2), JoinWeightGroup):  # the three joins it never took
+        pass
+    assert refused(actor.ask(LeaseRequest("a", 1, {})), "unknown_client")
+
+
 def wait_for(cap: ConnectionCap, done: Callable[[], bool], timeout: float = 10.0) -> bool:
     """Handle the cap's monitor events as they arrive until `done()` (False at the deadline)."""
     deadline = time.monotonic() + timeout

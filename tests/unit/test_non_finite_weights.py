@@ -14,7 +14,8 @@ import torch
 
 from drmas.config import AgentConfig, DrmasConfig
 from drmas.config.model import LoraConfig, ModelConfig, WarmStartConfig
-from drmas.learners.main import Learner, NonFiniteWeights
+from drmas.learners.main import Learner
+from drmas.learners.trainer import NonFiniteWeights
 from drmas.models.builtin import resolve_model_path
 
 
@@ -65,21 +66,36 @@ def test_on_a_lora_base_only_the_adapters_are_checked(model_path: Path, group: N
     assert trainer.non_finite() == [adapter]
 
 
-def test_the_learner_stops_before_publishing_naming_model_and_step() -> None:
-    """Learner.step raises before it reports the step: the publish that follows it never
+def test_the_message_names_model_step_and_parameters(model_path: Path, group: None) -> None:
+    from drmas.learners.trainer import Trainer
+
+    trainer = Trainer(config(model_path), "policy", 0, 1, "cpu")
+    trainer.refuse_non_finite(7)  # finite: nothing to say
+    name = poison(trainer, "layers.0.mlp.up_proj", float("nan"))
+    with pytest.raises(NonFiniteWeights) as err:
+        trainer.refuse_non_finite(7)
+    text = str(err.value)
+    assert f"policy: step 7 left NaN or inf in 1 parameter(s) ({name})" in text
+    assert "keep serving v6" in text and "models.policy.lr" in text
+
+
+def test_the_learner_stops_before_reporting_or_publishing() -> None:
+    """Learner.step checks before it reports the step: the publish that follows it never
     runs, so the actors keep the last finite version."""
     reports: list[Any] = []
+    checked: list[int] = []
+
+    def refuse(step: int) -> None:
+        checked.append(step)
+        raise NonFiniteWeights("stop")
+
     learner = Learner.__new__(Learner)
     learner.model, learner.version, learner.rank = "policy", 6, 0
     learner.trainer = cast(Any, SimpleNamespace(
-        step=lambda shard, tick: {"loss/policy": 0.1},
-        non_finite=lambda: ["model.layers.0.mlp.up_proj.weight"],
+        step=lambda shard, tick: {"loss/policy": 0.1}, refuse_non_finite=refuse,
     ))  # fmt: skip
     learner.beat = cast(Any, SimpleNamespace(maybe_send=lambda: None, version=6))
     learner._client = cast(Any, SimpleNamespace(send=reports.append))
-    with pytest.raises(NonFiniteWeights) as err:
+    with pytest.raises(NonFiniteWeights):
         learner.step(cast(Any, None), waited_s=0.0)
-    text = str(err.value)
-    assert "policy: step 7 left NaN or inf in 1 parameter(s)" in text
-    assert "model.layers.0.mlp.up_proj.weight" in text and "keep serving v6" in text
-    assert learner.version == 6 and reports == []  # no StepReport for the broken step
+    assert checked == [7] and learner.version == 6 and reports == []  # no StepReport

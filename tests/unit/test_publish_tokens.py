@@ -96,3 +96,38 @@ def test_an_actor_whose_loads_keep_failing_is_re_published_with_a_growing_back_o
     # a load that succeeds clears its count
     pub.loaded("bad", "solver", 2, ok=True)
     assert ("bad", "solver") not in pub.failed_loads
+
+
+def test_members_left_out_of_a_roll_call_are_behind_and_dropped_if_they_never_come() -> None:
+    """PublishDone.left_out: a1 checked in, a2 did not. a2 is behind (a re-publish goes to
+    it alone), the kept group is not reused (others formed one), and after
+    MAX_MISSED_JOINS publishes in a row without checking in a2 is handed over to be
+    dropped, once; a1, which loads every time, never is."""
+    pub = publishing("a1", "a2")
+    plan, _ = pub.plan("solver", 1, "h:1", now=0.0)
+    pub.done("solver", 1, 0.1, ok=True, left_out=["a2"])
+    pub.loaded("a1", "solver", 1, ok=True)
+    assert pub.counters["weight_joins_missed"] == 1 and pub.take_never_joined() == []
+    assert pub.stale_actors("solver", 1, now=1.0) == ["a2"]
+    again, _ = pub.plan("solver", 2, "h:1", now=1.0)
+    assert again.group_name != plan.group_name  # a fresh group, not the one a1 formed
+    for version in (2, 3):
+        if version == 3:
+            pub.plan("solver", 3, "h:1", now=2.0)
+        pub.done("solver", version, 0.1, ok=True, left_out=["a2"])
+        pub.loaded("a1", "solver", version, ok=True)
+    assert pub.take_never_joined() == ["a2"] and pub.take_never_joined() == []
+    assert pub.missed_joins == {}  # a1's reset by its loads, a2's taken
+
+
+def test_a_member_that_checks_in_again_starts_its_count_afresh() -> None:
+    pub = publishing("a1")
+    for version in (1, 2):
+        pub.plan("solver", version, "h:1", now=float(version))
+        pub.done("solver", version, 0.1, ok=True, left_out=["a1"])
+    pub.plan("solver", 3, "h:1", now=3.0)
+    pub.done("solver", 3, 0.1, ok=True)
+    pub.loaded("a1", "solver", 3, ok=True)
+    pub.plan("solver", 4, "h:1", now=4.0)
+    pub.done("solver", 4, 0.1, ok=True, left_out=["a1"])
+    assert pub.take_never_joined() == [] and pub.missed_joins["a1"] == 1

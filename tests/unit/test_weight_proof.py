@@ -110,7 +110,7 @@ def sender():
 def test_an_honest_publish_with_token_digest_and_expectation_arrives_whole(sender) -> None:
     state = model()
     receiver = WeightReceiver()
-    thread, out = in_thread(lambda: sender.publish("g1", 2, state, 10.0, token="t0k"))
+    thread, out = in_thread(lambda: sender.publish("g1", 2, state, 10.0, token="t0k", version=1))
     loaded, error = receive(receiver, join(sender, "g1", "t0k"), expected_of(state, "m"))
     thread.join(30)
     receiver.close()
@@ -204,23 +204,53 @@ def test_tampered_bytes_are_refused_before_going_live(sender, monkeypatch) -> No
 
 
 def test_a_non_member_without_the_token_gets_no_weights(sender) -> None:
-    """A peer that reached the store joins as rank 1 with a guessed token: rank 0 finds out
-    from its answer to the challenge and sends nothing; the publish fails, naming why."""
+    """A peer that reached the store checks in as rank 1 with a guessed token: rank 0's roll
+    call finds its proof wrong and leaves it out, so no group forms and nothing is sent;
+    the peer cannot forge the roster either (it is signed with the token)."""
     state = model()
-    thread, out = in_thread(lambda: sender.publish("g4", 2, state, 10.0, token="secret"))
+    publish = lambda: sender.publish("g4", 2, state, 10.0, token="secret", version=1)  # noqa: E731
+    thread, out = in_thread(publish)
     intruder = WeightReceiver()
     loaded, error = receive(intruder, join(sender, "g4", "guessed", timeout_s=5.0))
     thread.join(30)
     intruder.close()
-    assert loaded == [] and error is not None
-    assert isinstance(out.get("error"), WeightSyncError)
-    assert "did not prove the group's token" in str(out["error"])
-    assert "[1]" in str(out["error"])
+    assert loaded == [] and "not signed with the group's token" in str(error)
+    assert "error" not in out  # not a failed publish: one with nobody to send to
+    assert out["result"].left_out == [1] and out["result"].bytes == 0
+
+
+def test_the_roll_call_sends_to_members_that_check_in_and_leaves_the_rest_out() -> None:
+    """Ranks 1..3 planned: rank 1 answers with a guessed token, rank 2 never comes, rank 3
+    is honest. After weights.join_timeout_s rank 0 sends to rank 3 alone, which takes rank
+    1 of a two-rank group; the publish waits the join timeout, not the group's (10 s)."""
+    s = WeightSender(WeightSyncConfig(host="127.0.0.1", timeout_s=10.0, join_timeout_s=1.0))
+    state = model()
+    try:
+        publish = lambda: s.publish("g6", 4, state, 10.0, token="tok", version=3)  # noqa: E731
+        thread, out = in_thread(publish)
+        guessed = JoinWeightGroup("m", 3, "g6", s.store_address, 1, 4, 10.0, "guess")
+        honest = JoinWeightGroup("m", 3, "g6", s.store_address, 3, 4, 10.0, "tok")
+        intruder, member = WeightReceiver(), WeightReceiver()
+        t2, bad = in_thread(lambda: receive(intruder, guessed))
+        loaded, error = receive(member, honest, expected_of(state, "m"))
+        thread.join(30)
+        t2.join(30)
+        intruder.close()
+        member.close()
+    finally:
+        s.close()
+    assert error is None and dict(loaded).keys() == dict(state).keys()
+    stats = out["result"]
+    assert stats.left_out == [1, 2] and stats.bytes > 0
+    assert stats.seconds < 10.0  # the join timeout, not the group's
+    assert bad["result"][0] == [] and "not signed" in str(bad["result"][1])
 
 
 def test_the_store_lists_keys_but_the_token_is_never_in_it(sender) -> None:
     """What a peer that reaches the store can read: group keys, never the token."""
-    thread, out = in_thread(lambda: sender.publish("g5", 2, model(), 10.0, token="s3cr3t"))
+    thread, out = in_thread(
+        lambda: sender.publish("g5", 2, model(), 10.0, token="s3cr3t", version=1)
+    )
     receiver = WeightReceiver()
     _, error = receive(receiver, join(sender, "g5", "s3cr3t"))
     thread.join(30)

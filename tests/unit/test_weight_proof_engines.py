@@ -97,7 +97,7 @@ def run_join(actor: Actor, sender: WeightSender, join: JoinWeightGroup, state, e
 
     def publish() -> None:
         try:
-            sender.publish(join.group_name, 2, state, 10.0, token=join.token)
+            sender.publish(join.group_name, 2, state, 10.0, token=join.token, version=join.version)
         except WeightSyncError as exc:
             errors.append(exc)
 

@@ -173,6 +173,107 @@ def token_proof(token: str, group: str, rank: int, nonce: bytes) -> bytes:
     return hmac.new(token.encode(), message, hashlib.sha256).digest()
 
 
+# ------------------------------------------------------------------ the roll call
+# Before a publish forms (or reuses) its process group, every member checks in through the
+# store: rank 0 writes a fresh nonce, each member answers with an HMAC of it under the
+# group's token, and rank 0, after at most weights.join_timeout_s, writes the roster of the
+# ranks that answered correctly, signed with the token. Only they form the group, numbered
+# 1..n in rank order; a member left out (late, gone, or without the token) learns it from
+# the roster and loads nothing. So a member that never comes costs a publish the join
+# timeout, not the group's, and a store client without the token never enters the group.
+ROLL_POLL_S = 0.02
+
+
+def roll_key(version: int, what: str | int) -> str:
+    return f"roll/v{version}/{what}"
+
+
+def roll_proof(token: str, group: str, version: int, rank: int, nonce: str) -> str:
+    """What member `rank` writes to check in for `version`'s publish of `group` (hex)."""
+    message = f"roll|{group}|{version}|{rank}|{nonce}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def roster_signature(token: str, group: str, version: int, roster: str, nonce: str) -> str:
+    message = f"roster|{group}|{version}|{roster}|{nonce}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+@dataclass
+class Roll:
+    """The outcome of a roll call: who checked in with the token, who did not in time,
+    who answered without it."""
+
+    present: list[int]
+    absent: list[int]
+    refused: list[int]
+
+
+def call_roll(
+    store: dist.Store, group: str, version: int, token: str, members: int, join_timeout_s: float
+) -> Roll:
+    """Rank 0's roll call over ranks 1..members (see above); writes the signed roster."""
+    nonce = secrets.token_hex(16)
+    store.set(roll_key(version, "nonce"), nonce)
+    deadline = time.monotonic() + join_timeout_s
+    waiting = set(range(1, members + 1))
+    answers: dict[int, bytes] = {}
+    while waiting:
+        for rank in sorted(waiting):
+            key = roll_key(version, rank)
+            if store.check([key]):
+                answers[rank] = bytes(store.get(key))
+                waiting.discard(rank)
+        if not waiting or time.monotonic() >= deadline:
+            break
+        time.sleep(ROLL_POLL_S)
+    present = [
+        rank
+        for rank, proof in sorted(answers.items())
+        if hmac.compare_digest(proof, roll_proof(token, group, version, rank, nonce).encode())
+    ]
+    roster = ",".join(map(str, present))
+    store.set(
+        roll_key(version, "roster"),
+        f"{roster}|{roster_signature(token, group, version, roster, nonce)}",
+    )
+    refused = sorted(set(answers) - set(present))
+    return Roll(present, sorted(waiting), refused)
+
+
+def answer_roll(
+    store: dist.Store, group: str, version: int, token: str, rank: int
+) -> tuple[int, int]:
+    """A member checks in for `version`'s publish and waits for the roster (each wait is the
+    store's timeout, the group's). Returns its (rank, world size) in the group that forms;
+    raises WeightSyncError when it was left out or the roster is not the token holder's."""
+    nonce = bytes(store.get(roll_key(version, "nonce"))).decode(errors="replace")
+    store.set(roll_key(version, rank), roll_proof(token, group, version, rank, nonce))
+    signed = bytes(store.get(roll_key(version, "roster")))
+    roster, _, signature = signed.decode(errors="replace").rpartition("|")
+    expected = roster_signature(token, group, version, roster, nonce)
+    if not hmac.compare_digest(signature.encode(), expected.encode()):
+        raise WeightSyncError(
+            f"weight group {group!r}: the roster of v{version}'s publish is not signed with "
+            "the group's token (a store client wrote it); loading nothing"
+        )
+    present = [int(r) for r in roster.split(",") if r]
+    if rank not in present:
+        raise WeightSyncError(
+            f"weight group {group!r}: left out of v{version}'s publish (not checked in within "
+            "weights.join_timeout_s of learner rank 0's roll call); the broker re-publishes "
+            "to this actor later"
+        )
+    return present.index(rank) + 1, len(present) + 1
+
+
+def roster_group(group: str, version: int, present: int, members: int) -> str:
+    """The name (store prefix) of the process group a roll call forms: the planned group's
+    when every member is present (kept for the next publish), else a one-off of this
+    version's roster."""
+    return group if present == members else f"{group}/v{version}-of-{present}"
+
+
 class Retired:
     """Groups that are no longer used and only wait to be torn down, off the sync's path."""
 

@@ -7,7 +7,9 @@ reusable bucket buffers per dtype. The group is kept for the model's next versio
 the broker names the same group, store and rank; otherwise the old one is retired.
 
 What arrives proves itself before the engine may serve it:
-- the join's token: this actor answers rank 0's challenge (group.py, `authenticate`);
+- the join's token: this actor checks in at rank 0's roll call with it and takes its rank
+  from the roster rank 0 signed with it (a member that was late is left out and loads
+  nothing: WeightSyncError), then answers rank 0's challenge in the group (group.py);
 - the header: at most MAX_HEADER_BYTES, and, when the engine says what it holds
   (`Expected`), exactly its parameter set (or the adapters the publish carries) by name,
   shape and dtype, checked before the first bucket; buffers never exceed what the header's
@@ -22,8 +24,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from drmas.config.transport import WeightSyncConfig
 from drmas.protocol.messages import JoinWeightGroup
@@ -34,7 +38,9 @@ from drmas.transports.weights.group import (
     Pipeline,
     Retired,
     Where,
+    answer_roll,
     resolve_backend,
+    roster_group,
     store_client,
 )
 from drmas.transports.weights.layout import (
@@ -98,24 +104,44 @@ class WeightReceiver:
         live = self._live.get(model)
         return live[0][0] if live else ""
 
-    def _group(self, join: JoinWeightGroup, where: Where) -> Group:
-        """The group kept from the previous version of this model when the join names the
-        same group, store and rank; else a new one (the kept one is retired)."""
+    def _group(
+        self, join: JoinWeightGroup, where: Where
+    ) -> tuple[Group, tuple[str, str, int, int]]:
+        """This publish's group and its key: with a token, after the roll call (the rank and
+        size of the roster's group); the group kept from the previous version of this model
+        when the key is the same; else a new one (the kept one is retired)."""
         key = (join.group_name, join.store_address, join.rank, join.world_size)
+        store: Any = None
+        if join.token:  # check in; the roster says the rank and size of the group formed
+            store = self._store(join, where)
+            with where.phase("roll call"):
+                rank, size = answer_roll(
+                    store, join.group_name, join.version, join.token, join.rank
+                )
+            name = roster_group(join.group_name, join.version, size - 1, join.world_size - 1)
+            key = (name, join.store_address, rank, size)
+            where.group, where.rank, where.world_size = name, rank, size
+            if name != join.group_name:
+                store = dist.PrefixStore(name.removeprefix(f"{join.group_name}/"), store)
         live = self._live.pop(join.model, None)
         if live is not None and live[0] == key:
             live[1].where = where
-            return live[1]
+            return live[1], key
         if live is not None:
             self._retired.add(live[1])
             self._retired.release()
+        return Group(where, store or self._store(join, where), self.backend, self.device), key
+
+    def _store(self, join: JoinWeightGroup, where: Where) -> Any:
+        """A connection to rank 0's store, namespaced by the group's name, whose backend
+        must be this receiver's."""
         store, backend = store_client(join.store_address, join.group_name, where)
         if backend != self.backend:
             raise WeightSyncError(
                 f"weight group {join.group_name!r}: learner broadcasts over {backend}, this "
                 f"actor resolved {self.backend} (device {self.device}); set weights.backend"
             )
-        return Group(where, store, backend, self.device)
+        return store
 
     def receive_into(
         self,
@@ -155,7 +181,7 @@ class WeightReceiver:
         where = Where(join.group_name, join.rank, join.world_size, join.timeout_s, peer)
         if expected is None and self.expected is not None:
             expected = self.expected(join)
-        group = self._group(join, where)
+        group, key = self._group(join, where)
         try:
             if join.token:
                 group.authenticate(join.token)
@@ -188,10 +214,7 @@ class WeightReceiver:
             group.close(ok=False)
             self._buffers.reset()
             raise
-        self._live[join.model] = (
-            (join.group_name, join.store_address, join.rank, join.world_size),
-            group,
-        )
+        self._live[join.model] = (key, group)
 
     def _post(self, pipeline: Pipeline, plan: list[Bucket], b: int, cap: int) -> None:
         buffer = self._buffers.take(plan[b].dtype, plan[b].numel, cap)

@@ -9,6 +9,11 @@ per dtype; a tensor larger than a bucket travels alone, without a copy.
 The group of a publish is kept for the next one while its name stays the same (the broker
 names a group after its membership); a new name retires the old group, and a failed
 publish aborts its group at once, so the next one forms a fresh group.
+
+With the broker's token, a publish starts with a roll call through the store (group.py):
+only the members that check in with the token within weights.join_timeout_s receive it;
+the others are left out (`PublishStats.left_out`, reported to the broker) and the group is
+formed for the roster alone, once.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import datetime
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,8 +36,11 @@ from drmas.transports.weights.group import (
     Retired,
     Where,
     advertised_host,
+    call_roll,
     listen,
     resolve_backend,
+    roll_key,
+    roster_group,
 )
 from drmas.transports.weights.layout import (
     DIGEST_BYTES,
@@ -56,6 +64,8 @@ class PublishStats:
     buckets: int
     reused: bool = False
     """Sent over the group of the previous publish (same members): no rendezvous."""
+    left_out: list[int] = field(default_factory=list)
+    """Planned ranks that did not check in with the token in time (roll call): not sent to."""
 
 
 class WeightSender:
@@ -81,6 +91,7 @@ class WeightSender:
         self._retired = Retired()
         self._buffers = Buffers(self.device)
         self._live: tuple[str, Group] | None = None  # (group name, group) kept for the next
+        self._roll: tuple[dist.Store, list[str]] | None = None  # the last roll call's keys
 
     @property
     def store_address(self) -> str:
@@ -125,20 +136,20 @@ class WeightSender:
         peers: Sequence[str] = (),
         token: str = "",
         digest: Digest | None = None,
+        version: int = 0,
     ) -> PublishStats:
-        """Broadcast `named_tensors` to ranks 1..world_size-1 of group `group_name`: the
-        group of the previous publish when the name is the same, else a new one.
-
+        """Broadcast `named_tensors` to ranks 1..world_size-1 of group `group_name` (the
+        previous publish's group when the name is the same, else a new one; kept if it
+        went through, aborted on WeightSyncTimeout/WeightSyncError).
         `specs` (name, shape, dtype of every tensor, in order) lets the header go out before
         the first tensor is gathered; without it the tensors are materialised first.
-        `token`: the group's token from the broker's plan; every member proves it holds it
-        before the header goes out ("" = no check, a broker that hands out none).
+        `token`: the group's token from the broker's plan: the roll call of `version`'s
+        publish picks the members that prove they hold it in time (the others are left out,
+        `PublishStats.left_out`), and every rank of the group proves it again before the
+        header goes out ("" = neither, a broker that hands out none).
         With weights.verify_digest a digest of every byte sent follows the last bucket;
         `digest`, a Digest the caller fills with each tensor as it streams
-        (drmas.transports.digest.hashing), spares hashing them a second time.
-        Raises WeightSyncTimeout/WeightSyncError and aborts the group; a group that went
-        through is kept for the next publish.
-        """
+        (drmas.transports.digest.hashing), spares hashing them a second time."""
         self.release()
         start = time.monotonic()
         if specs is None:
@@ -147,8 +158,12 @@ class WeightSender:
             named_tensors = materialised
         header = Header(int(self.cfg.bucket_mb * 2**20), list(specs), self.cfg.verify_digest)
         buckets = plan_buckets(header.tensors, header.bucket_bytes)
-        who = ", ".join(peers) if peers else f"ranks 1..{world_size - 1}"
-        group, reused = self._group(group_name, Where(group_name, 0, world_size, timeout_s, who))
+        name, world_size, who, left_out = self._roster(
+            group_name, world_size, peers, token, version
+        )
+        if world_size == 1:  # nobody checked in
+            return PublishStats(time.monotonic() - start, 0, 0, False, left_out)
+        group, reused = self._group(name, Where(name, 0, world_size, timeout_s, who))
         try:
             if token:
                 group.authenticate(token)
@@ -161,14 +176,58 @@ class WeightSender:
             self._live = None
             self._buffers.reset()
             raise
-        self._live = (group_name, group)
-        stats = PublishStats(time.monotonic() - start, sent, len(buckets), reused)
+        self._live = (name, group)
+        stats = PublishStats(time.monotonic() - start, sent, len(buckets), reused, left_out)
         log.info(
             "published %s: %.1f MB in %d buckets to %s in %.2fs (%s group)",
             group_name, sent / 1e6, stats.buckets, who, stats.seconds,
             "kept" if reused else "new",
         )  # fmt: skip
         return stats
+
+    def _roster(
+        self, group_name: str, world_size: int, peers: Sequence[str], token: str, version: int
+    ) -> tuple[str, int, str, list[int]]:
+        """(group name, world size, who, left-out ranks) of the group this publish sends
+        over: the planned one without a token; with one, the roll call's roster."""
+        if not token:
+            who = ", ".join(peers) if peers else f"ranks 1..{world_size - 1}"
+            return group_name, world_size, who, []
+        present, left_out = self._roll_call(group_name, version, token, world_size - 1, peers)
+        name = roster_group(group_name, version, len(present), world_size - 1)
+        who = ", ".join(peers[r - 1] if peers else f"rank {r}" for r in present)
+        return name, len(present) + 1, who, left_out
+
+    def _roll_call(
+        self, group_name: str, version: int, token: str, members: int, peers: Sequence[str]
+    ) -> tuple[list[int], list[int]]:
+        """(present ranks, left-out ranks) of this publish's roll call (group.py); the keys
+        of the previous roll call are deleted (its members have read them by now)."""
+        if self._roll is not None:
+            old_store, keys = self._roll
+            for key in keys:
+                old_store.delete_key(key)
+        store = dist.PrefixStore(group_name, self.store)
+        store.set("backend", self.backend)  # members read it before they check in
+        roll = call_roll(store, group_name, version, token, members, self.cfg.join_timeout_s)
+        keys = [roll_key(version, k) for k in ("nonce", "roster", *range(1, members + 1))]
+        self._roll = (store, keys)
+
+        def named(ranks: list[int]) -> str:
+            return ", ".join(peers[r - 1] if peers else f"rank {r}" for r in ranks)
+
+        if roll.absent:
+            log.warning(
+                "%s v%d: %s did not check in within weights.join_timeout_s=%gs: left out",
+                group_name, version, named(roll.absent), self.cfg.join_timeout_s,
+            )  # fmt: skip
+        if roll.refused:
+            log.warning(
+                "%s v%d: %s checked in without the group's token (a store client, not a "
+                "member of the broker's plan): left out",
+                group_name, version, named(roll.refused),
+            )  # fmt: skip
+        return roll.present, sorted(roll.absent + roll.refused)
 
     def _stream(
         self,
