@@ -122,9 +122,53 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict[str, Any]:
     return {**significant(mean_ci([a[s] - b[s] for s in seeds])), "seeds": seeds}
 
 
-def summarize(out: Path) -> dict[str, Any]:
-    summary: dict[str, Any] = {"groups": {}, "contrasts": {}}
+TRAINING = ("advantage/{a}/mean", "advantage/{a}/std", "score/{a}/mean", "steps/{a}")
+"""Per-agent training metrics the mechanism table follows (means over a run's quarters)."""
+
+
+def mechanism(out: Path, group: Group) -> dict[str, dict[str, dict[str, float]]]:
+    """mode -> metric -> {first, last}: each run's mean over its first and last quarter of
+    training steps, averaged over the seeds run: how each arm's advantages sat, per agent."""
+    found: dict[str, dict[str, dict[str, float]]] = {}
+    for mode in group.modes:
+        per_seed: dict[str, dict[str, list[float]]] = {}
+        for seed in group.seeds:
+            path = out / "run_files" / f"{group.name}_{mode}_s{seed}" / "metrics.jsonl"
+            if not path.is_file():
+                continue
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            trained = [r for r in rows if any(k.startswith("advantage/") for k in r)]
+            quarter = max(1, len(trained) // 4)
+            keys = sorted(
+                {
+                    k
+                    for r in trained
+                    for k in r
+                    if k.split("/")[0] in ("advantage", "score", "steps")
+                }
+            )
+            for key in keys:
+                if not any(key == t.format(a=key.split("/")[1]) for t in TRAINING):
+                    continue
+                for part, chunk in (("first", trained[:quarter]), ("last", trained[-quarter:])):
+                    vals = [r[key] for r in chunk if key in r]
+                    if vals:
+                        per_seed.setdefault(key, {}).setdefault(part, []).append(
+                            sum(vals) / len(vals)
+                        )
+        if per_seed:
+            found[mode] = {
+                k: {part: sum(v) / len(v) for part, v in parts.items()} for k, parts in per_seed.items()
+            }  # fmt: skip
+    return found
+
+
+def summarize(out: Path, write: bool = True) -> dict[str, Any]:
+    summary: dict[str, Any] = {"groups": {}, "contrasts": {}, "mechanism": {}}
     by_group = {g.name: finals(out, g) for g in PLAN}
+    for g in PLAN:
+        if found := mechanism(out, g):
+            summary["mechanism"][g.name] = found
     for g in PLAN:
         values = by_group[g.name]
         summary["groups"][g.name] = {
@@ -163,8 +207,9 @@ def summarize(out: Path) -> dict[str, Any]:
                 "commit": probe.get("commit"),
             }
     summary["state"] = git_state(REPO)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "summary.md").write_text(markdown(summary))
+    if write:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        (out / "summary.md").write_text(markdown(summary))
     return summary
 
 
@@ -191,6 +236,16 @@ def markdown(summary: dict[str, Any]) -> str:
             lines.append(f"| {name} | {mode} | {g['metric']} | {ci} | {len(c['seeds'])} |")
     lines += ["", "| paired contrast | mean difference [95 % CI] |", "|---|---|"]
     lines += [f"| {k} | {_ci(c)} |" for k, c in summary["contrasts"].items()]
+    for name, by_mode in summary.get("mechanism", {}).items():
+        keys = sorted({k for m in by_mode.values() for k in m})
+        lines += ["", f"Training, `{name}` (mean over seeds of each run's first → last quarter of "
+                  "steps):", "", "| arm | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]  # fmt: skip
+        for mode, m in by_mode.items():
+            form = {k: "+.2f" if k.startswith("advantage/") else ".2f" for k in keys}
+            cells = [
+                f"{m[k]['first']:{form[k]}} → {m[k]['last']:{form[k]}}" if k in m else "" for k in keys
+            ]  # fmt: skip
+            lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     for case, p in summary.get("probe", {}).items():
         lines += ["", f"Probe `{case}` (F_k: predicted factor against `agent`; own r²: the "
                   "share of the agent's advantage variance that comes from its own scores):", ""]  # fmt: skip

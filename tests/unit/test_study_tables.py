@@ -165,3 +165,42 @@ def test_the_page_shows_the_tables_the_script_writes() -> None:
     refs = {g.name: g.reference for g in study.PLAN if g.reference}
     summary = study_summary.summarize(results, refs, lines)
     assert study.compare(ROOT / "docs" / "results.md", summary) == []
+
+
+def test_the_lemma_summary_recomputes_from_the_recorded_runs(tmp_path: Path) -> None:
+    import study_lemma
+
+    recorded = json.loads((STUDY / "lemma" / "summary.json").read_text())
+    fresh = study_lemma.summarize(STUDY / "lemma", write=False)
+    for name, c in recorded["contrasts"].items():
+        assert fresh["contrasts"][name]["mean"] == pytest.approx(c["mean"], abs=1e-12), name
+        assert fresh["contrasts"][name]["significant"] == c["significant"], name
+    # the primary contrast by hand, seed by seed from the run records
+    diffs = [
+        json.loads((STUDY / "lemma" / f"lemma_scaled_{m}_s{s}.json").read_text())["final"]["val/avg@8"]
+        * (1 if m == "agent" else -1)
+        for s in range(8)
+        for m in ("agent", "step_global")
+    ]  # fmt: skip
+    assert fresh["contrasts"]["lemma_scaled: agent - step_global"]["mean"] == pytest.approx(
+        sum(diffs) / 8
+    )
+
+
+def test_the_lemma_mechanism_averages_each_runs_first_and_last_quarter(tmp_path: Path) -> None:
+    import study_lemma
+
+    group = study_lemma.PLAN[0]
+    for seed, offset in ((0, 0.0), (1, 1.0)):
+        run = tmp_path / "run_files" / f"{group.name}_agent_s{seed}"
+        run.mkdir(parents=True)
+        rows = [{"step": 0, "val/avg@8": 0.5}]  # a validation row: not a training step
+        rows += [
+            {"step": i + 1, "advantage/verifier/mean": i + offset, "steps/verifier": 64}
+            for i in range(8)
+        ]  # fmt: skip
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    m = study_lemma.mechanism(tmp_path, group)["agent"]
+    # quarters of 8 steps are 2: seed 0 first (0+1)/2, last (6+7)/2; seed 1 one more
+    assert m["advantage/verifier/mean"] == {"first": 1.0, "last": 7.0}
+    assert m["steps/verifier"] == {"first": 64.0, "last": 64.0}
