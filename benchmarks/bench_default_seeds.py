@@ -2,6 +2,7 @@
 cache each time, so the build and warm start are part of it) once per seed.
 
     python benchmarks/bench_default_seeds.py [--seeds 0 1 2 3] [--out benchmarks/results/default_train_seeds.json]
+    python benchmarks/bench_default_seeds.py --summarize       the summary from the recorded runs
 
 Seed 0 is the plain `drmas train` of README's first command; seed s > 0 changes
 everything random at once (both models' warm starts, the task order, the sampling), the
@@ -60,6 +61,17 @@ def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for step in steps:
         values = [v[METRIC] for r in runs.values() for v in r["validation"] if v["step"] == step]
         out[f"step {step}"] = {"min": min(values), "max": max(values), **mean_ci(values)}
+    first, last = steps[0], steps[-1]
+    gains = [
+        next(v[METRIC] for v in r["validation"] if v["step"] == last)
+        - next(v[METRIC] for v in r["validation"] if v["step"] == first)
+        for r in runs.values()
+    ]  # fmt: skip
+    out[f"gain, step {first} to {last} (paired by seed)"] = {
+        "min": min(gains),
+        "max": max(gains),
+        **mean_ci(gains),
+    }
     out["wall_s"] = {
         "min": min(r["wall_s"] for r in runs.values()),
         "max": max(r["wall_s"] for r in runs.values()),
@@ -74,9 +86,15 @@ def main() -> int:
     p.add_argument(
         "--out", default=str(REPO / "benchmarks" / "results" / "default_train_seeds.json")
     )
+    p.add_argument("--summarize", action="store_true", help="only rewrite the summary")
     args = p.parse_args()
     out = Path(args.out)
     record: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {"runs": {}}
+    if args.summarize:
+        record["summary"] = summarize(record["runs"])
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        print(json.dumps(record["summary"], indent=2))
+        return 0
     for seed in args.seeds:
         if str(seed) in record["runs"]:
             continue
