@@ -10,9 +10,10 @@ import contextlib
 import io
 import json
 import logging
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -59,6 +60,42 @@ class BodyGate:
             self._large.release()
 
 
+class HeadWaits:
+    """Connections waiting for a request's head (its request line and headers), with when
+    each began to wait. At the connection cap the server evicts the one that has waited
+    longest, once it has waited EVICT_AFTER_S (server.py): slow or idle connections then
+    cannot hold every slot, while an honest client, which sends its head at once, is never
+    the oldest for long."""
+
+    def __init__(self) -> None:
+        self._since: dict[socket.socket, float] = {}
+        self._lock = threading.Lock()
+
+    def waiting(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._since[conn] = time.monotonic()
+
+    def done(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._since.pop(conn, None)
+
+    def evict(self, older_than_s: float, taking: Callable[[socket.socket], None]) -> bool:
+        """Shut the connection that has waited longest for its head, if it has waited
+        `older_than_s` (its thread then ends), after `taking(it)` (which must happen before
+        that thread can end); False if none has."""
+        with self._lock:
+            if not self._since:
+                return False
+            conn, since = min(self._since.items(), key=lambda item: item[1])
+            if time.monotonic() - since < older_than_s:
+                return False
+            del self._since[conn]
+        taking(conn)
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+        return True
+
+
 @dataclass
 class Service:
     """What every connection of one server shares."""
@@ -69,6 +106,7 @@ class Service:
     lock: threading.Lock = field(default_factory=threading.Lock)
     """The index is not known to be thread-safe: one search at a time."""
     gate: BodyGate = field(default_factory=BodyGate)
+    heads: HeadWaits = field(default_factory=HeadWaits)
 
 
 class ServiceHost(Protocol):
@@ -93,6 +131,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         self.reader.start(self.service.limits.request_timeout_s, HEAD_BYTES)
+        self.service.heads.waiting(self.connection)  # evictable until its head is read
         try:
             super().handle_one_request()
         except HeadTooLarge as exc:
@@ -101,6 +140,16 @@ class Handler(BaseHTTPRequestHandler):
                 self.connection.settimeout(1.0)
                 self.connection.sendall(raw_answer(b"431 Request Header Fields Too Large",
                                                     str(exc)))  # fmt: skip
+
+    def parse_request(self) -> bool:
+        """Reads the headers; the head is then whole and the connection no longer evictable."""
+        parsed = super().parse_request()
+        self.service.heads.done(self.connection)
+        return parsed
+
+    def finish(self) -> None:
+        self.service.heads.done(self.connection)
+        super().finish()
 
     def handle_expect_100(self) -> bool:
         """Refuse an oversized body before the client sends it."""

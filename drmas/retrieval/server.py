@@ -4,8 +4,10 @@ actors (on many nodes) share one index instead of each loading its own.
     POST /retrieve  {"queries": [...], "topk": k, "return_scores": bool}  -> {"result": [...]}
     GET  /health    -> {"status": "ok", "retriever": "..."}
 
-One thread per connection (stdlib ThreadingHTTPServer), at most `max_connections` at once
-(more are answered 503 and closed). What a connection may send and for how long is
+One thread per connection (stdlib ThreadingHTTPServer), at most `max_connections` at once:
+beyond that a new connection takes the place of the one that has waited longest for its
+request's head, once that one has waited EVICT_AFTER_S (slow-header and idle connections
+cannot hold every slot), and is otherwise answered 503 and closed. What a connection may send and for how long is
 bounded before it is read (drmas/retrieval/intake.py): the whole request must arrive
 within `request_timeout_s` (a client trickling bytes is dropped like a silent one, and so
 is an idle keep-alive connection), its answer must be read within as long again, its
@@ -45,6 +47,12 @@ log = logging.getLogger("drmas.retrieval")
 REFUSERS = 8
 """Connections over the cap answered 503 at once (each by a thread for at most ~2 s); more
 than that are closed unanswered."""
+EVICT_AFTER_S = 0.05
+"""At the connection cap, a connection that has waited this long for its request's head
+(a slow or idle one: an honest client sends its head at once) is shut to make room for a
+new one, the longest-waiting first. So every new connection gets a slot while any slot
+waits for a head, and a client that reopens slow connections as they are shut only
+evicts its own: a newcomer is the youngest, never the one evicted next."""
 REFUSAL_DRAIN_BYTES = 1 << 20
 """Request bytes read from a refused connection before it is closed anyway."""
 
@@ -78,6 +86,8 @@ class BoundedServer(ThreadingHTTPServer):
         self.slots = threading.BoundedSemaphore(service.limits.max_connections)
         self.refusing = threading.BoundedSemaphore(REFUSERS)
         self.refused = 0
+        self.evicted = 0
+        self._handed_over: set[Any] = set()  # evicted connections whose slot was passed on
         self._serving = 0
         self._count = threading.Lock()
 
@@ -93,6 +103,10 @@ class BoundedServer(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
+            if self.service.heads.evict(EVICT_AFTER_S, self._hand_over):
+                self._served(+1)  # the newcomer has the slot the evicted one leaves
+                super().process_request(request, client_address)
+                return
             self.refused += 1
             if self.refusing.acquire(blocking=False):  # answered 503 off the accept loop
                 threading.Thread(target=self._refuse, args=(request,), daemon=True).start()
@@ -101,6 +115,13 @@ class BoundedServer(ThreadingHTTPServer):
             return
         self._served(+1)
         super().process_request(request, client_address)
+
+    def _hand_over(self, evicted: Any) -> None:
+        """`evicted`'s slot goes to the connection that evicts it: its thread must not
+        release it (marked before the eviction shuts it, so before that thread can end)."""
+        with self._count:
+            self._handed_over.add(evicted)
+            self.evicted += 1
 
     def _refuse(self, request: Any) -> None:
         """503, then read what the client is still sending before closing: closing a socket
@@ -128,7 +149,11 @@ class BoundedServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._served(-1)
-            self.slots.release()
+            with self._count:
+                handed_over = request in self._handed_over
+                self._handed_over.discard(request)
+            if not handed_over:  # an evicted connection's slot went to its evictor
+                self.slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hangs up or resets is its own business (logged at debug, so a

@@ -111,7 +111,9 @@ def test_clients_trickling_header_bytes_are_dropped_at_the_request_deadline() ->
 
 
 def test_an_idle_keep_alive_connection_is_closed_at_the_deadline() -> None:
-    with serving(Limits(max_connections=1, request_timeout_s=0.5)) as server:
+    # the deadline is the server's for a whole request: long enough that a loaded machine
+    # answers within it (the answer must come first), the test then waits for the close
+    with serving(Limits(max_connections=1, request_timeout_s=3.0)) as server:
         with socket.create_connection(server.server_address[:2], timeout=10) as sock:
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             response = http.client.HTTPResponse(sock)
@@ -219,7 +221,8 @@ def test_a_client_holding_the_large_body_gate_is_dropped_at_its_deadline() -> No
     """A client announces a large body and sends one byte of it: it holds the gate until
     its deadline. Meanwhile a small request is served; a large one waits for the gate
     (retried on 503, as its answer says), and is served once the holder has been dropped."""
-    with serving(Limits(request_timeout_s=1.0)) as server:
+    # each request's deadline, the small one's too: 3 s, so a loaded machine serves it
+    with serving(Limits(request_timeout_s=3.0)) as server:
         held = socket.create_connection(server.server_address[:2])
         try:
             held.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{"
@@ -271,3 +274,82 @@ def test_millions_of_tiny_queries_are_refused_within_a_bounded_cost() -> None:
     assert status == 400 and "at most 1024" in str(answer["error"])
     assert peak < 14 * len(body), f"{peak / 1e6:.0f} MB traced for a {len(body) / 1e6:.0f} MB body"
     assert current < len(body), f"{current / 1e6:.0f} MB still held"
+
+
+def test_a_body_of_too_many_queries_is_refused_before_it_is_decoded() -> None:
+    """Issue #36, item 8: 2.1 M queries in 8 MB were decoded (+152 MB) before the
+    1,024-query cap refused them. Now the body's strings are counted first."""
+    from drmas.retrieval.intake import BadRequest, parse
+
+    limits = Limits()
+    flood = b'{"queries": [' + b",".join(b'"q%d"' % i for i in range(1_000_000)) + b"]}"
+    tracemalloc.start()
+    with pytest.raises(BadRequest, match=r"retriever\.max_queries"):
+        parse(flood, 3, limits)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1 << 20, peak  # nothing of it was built (decoding it took 64 MB)
+    # an honest body at the cap, its queries full of escaped quotes and backslashes, passes
+    honest = json.dumps({"queries": ['say "a\\\\"'] * limits.max_queries, "topk": 2}).encode()
+    queries, topk, _ = parse(honest, 3, limits)
+    assert len(queries) == limits.max_queries and topk == 2
+
+
+def test_slow_header_connections_reopened_as_they_drop_do_not_starve_honest_clients() -> None:
+    """Issue #36, item 8: 100 slow-header connections, reopened as they were dropped, left
+    honest queries answered 11 times out of 40. Now, at the cap, a new connection takes the
+    place of the one that has waited longest for its head (once it has waited 50 ms). Here
+    a cap of 8 connections against 16 such connections."""
+    limits = Limits(max_connections=8, request_timeout_s=30.0)
+    with serving(limits) as server:
+        stop, opened = threading.Event(), [0]
+
+        def slowloris() -> None:  # 16 connections that never finish their head, reopened
+            held: list[socket.socket] = []
+            while not stop.is_set():
+                for s in [s for s in held if not alive(s)]:
+                    held.remove(s)
+                    s.close()
+                while len(held) < 16 and not stop.is_set():
+                    s = socket.create_connection(server.server_address[:2])
+                    s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\n")
+                    held.append(s)
+                    opened[0] += 1
+                stop.wait(0.05)
+            for s in held:
+                s.close()
+
+        attacker = threading.Thread(target=slowloris, daemon=True)
+        attacker.start()
+        # in full swing: its connections over the cap are refused or evict its older ones,
+        # and it reopens them
+        wait_until(lambda: server.evicted >= 8 and opened[0] > 32, "no churn")
+        statuses: list[object] = []
+        for _ in range(40):
+            status: object = None
+            for _try in range(5):  # 503 says "retry later"; an honest client does
+                try:
+                    status = exchange(server, post(b'{"queries": ["a"]}'))[0]
+                except OSError as exc:  # evicted before its head was read
+                    status = type(exc).__name__
+                if status == 200:
+                    break
+                stop.wait(0.1)
+            statuses.append(status)
+        stop.set()
+        attacker.join(10)
+        assert statuses == [200] * 40, statuses
+
+
+def alive(sock: socket.socket) -> bool:
+    """False once the server has answered (a 503) or shut this connection."""
+    sock.setblocking(False)
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.setblocking(True)
