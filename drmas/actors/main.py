@@ -142,6 +142,7 @@ class Actor:
         self.workflow = make_workflow(self.cfg, agent_models, self.engines, tokenizers)
         self.failures.team = self.workflow.name
         welcome = self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
+        self.id = self.client.client_id  # the broker's name for it (another if its was taken)
         self.heartbeat_s = welcome.heartbeat_interval_s
         log.info("actor %s serving %s (run %s)", self.id, self.models, welcome.run_id)
 
@@ -388,8 +389,7 @@ class Actor:
             # The client closes with linger=0, which can drop the Goodbye still queued in
             # ZeroMQ's I/O thread; then the broker would wait for missed heartbeats to
             # re-issue the leases. Give it a bounded time to leave.
-            self.client.sock.close(linger=GOODBYE_LINGER_MS)
-            self.client.close()
+            self.client.close(linger_ms=GOODBYE_LINGER_MS)
         log.info(
             "actor %s stopped (%s); handed back %d leases", self.id, self.stopping, len(unfinished)
         )

@@ -25,7 +25,9 @@ Roles, bound at Hello and fixed for the connection's client id:
 
 A learner's (model, rank) seat belongs to the id holding it until Goodbye or
 broker.learner_timeout_s of silence: a second claimant is refused (`forbidden`), never
-swapped in (drmas/broker/seats.py).
+swapped in (drmas/broker/seats.py). A learner Hello must carry the proof of its seat
+under the run's learner secret (security.learner_secret, drmas/transports/
+learner_secret.py), or it is refused (`forbidden`) whether the seat is free or not.
 
 With CURVE, every key is bound (`drmas keys`, authorized/roles.json): to one role, to the
 learner role for some models only, or to any role. The broker reads the key of every
@@ -67,6 +69,7 @@ from drmas.protocol.messages import (
     ToBroker,
     WeightsLoaded,
 )
+from drmas.transports.learner_secret import proves
 
 if TYPE_CHECKING:
     from drmas.broker.leases import LeaseRecord
@@ -176,9 +179,12 @@ class Gate:
     """Checks senders and fields against the broker's state (read-only) and the run's
     `limits` (drmas/protocol/validate.py)."""
 
-    def __init__(self, state: BrokerState, limits: Limits) -> None:
+    def __init__(
+        self, state: BrokerState, limits: Limits, learner_secret: bytes | None = None
+    ) -> None:
         self.state = state
         self.limits = limits
+        self.learner_secret = learner_secret  # None: learner seats need no proof
 
     def admit(self, cid: str, msg: ToBroker, key_roles: frozenset[str] | None = None) -> Admitted:
         """`msg` from client id `cid` if it may send it with these fields; else raises
@@ -219,6 +225,19 @@ class Gate:
             if why:
                 _invalid(why)
 
+    def _check_proof(self, cid: str, msg: Hello) -> None:
+        """A learner's Hello must prove its seat under the run's learner secret (when the
+        broker has one): no other client can take, or take back, a learner seat."""
+        if self.learner_secret is None:
+            return
+        if not proves(self.learner_secret, msg.proof, cid, msg.models[0], msg.rank):
+            _forbidden(
+                f"{cid!r} did not prove it is a learner of this run ({msg.models[0]} rank "
+                f"{msg.rank}): learner ranks read the run's secret from security."
+                "learner_secret (RUN_DIR/learner.secret, written by `drmas prepare`); start "
+                "them with --config RUN_DIR/config.yaml and that file on their node"
+            )
+
     def _hello_role(self, cid: str, msg: Hello) -> None:
         """Field and role checks of a Hello beyond protocol/validate.check_hello."""
         st = self.state
@@ -238,6 +257,7 @@ class Gate:
             if not (1 <= msg.world_size <= MAX_LEARNER_RANKS):
                 _invalid(f"learner world size {msg.world_size} outside 1..{MAX_LEARNER_RANKS}")
             model = msg.models[0]
+            self._check_proof(cid, msg)
             sizes = st.learners.world_sizes(model, cid)
             if sizes and sizes != {msg.world_size}:
                 _invalid(
@@ -292,14 +312,15 @@ class Gate:
     def _sender_of(self, cid: str, msg: ToBroker) -> Sender:
         """The registered sender of `msg` if its role may send it with these fields; else
         raises. (Hello and StatusRequest need no sender: see `admit`.)"""
+        who = self.sender(cid)
+        if who is None:
+            named = f"{cid!r}" if cid else "this connection"
+            raise ProtocolError(
+                "unknown_client", f"{named} has not said Hello (or was dropped); reconnect"
+            )
         claimed = getattr(msg, "client_id", cid)
         if claimed != cid:
             _invalid(f"message says client {clip(claimed, 64)!r} but comes from {cid!r}")
-        who = self.sender(cid)
-        if who is None:
-            raise ProtocolError(
-                "unknown_client", f"{cid!r} has not said Hello (or was dropped); reconnect"
-            )
         kind = type(msg)
         if who.role not in ALLOWED[kind]:
             _forbidden(f"a {who.role} may not send {kind.__name__}")

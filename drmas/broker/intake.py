@@ -105,8 +105,9 @@ def is_group_result(payload: memoryview | bytes) -> bool:
 
 
 class Intake:
-    """Reads the ROUTER for the broker loop. `role_of(identity)` is the sender's registered
-    role ("actor", "learner") or None, `leases_of(identity)` the leases an actor holds;
+    """Reads the ROUTER for the broker loop. `role_of(identity)` is the registered role
+    ("actor", "learner") of the client a connection speaks for, or None;
+    `leases_of(identity)` the leases that client holds as an actor;
     `counters` is BrokerState's."""
 
     def __init__(
@@ -115,8 +116,8 @@ class Intake:
         limits: FrameLimits,
         connections: ConnectionCap,
         counters: collections.Counter[str],
-        role_of: Callable[[str], str | None],
-        leases_of: Callable[[str], int] = lambda _identity: 0,
+        role_of: Callable[[bytes], str | None],
+        leases_of: Callable[[bytes], int] = lambda _identity: 0,
     ) -> None:
         self.sock, self.limits, self.connections = sock, limits, connections
         self.counters, self.role_of, self.leases_of = counters, role_of, leases_of
@@ -124,6 +125,8 @@ class Intake:
         self.watch = WireWatch(self.allowance, self.flood, _trim)
         connections.watch = self.watch
         self.banned: dict[bytes, tuple[float, float]] = {}  # identity -> (until, ban length)
+        # told of each connection dropped (the broker lets its client's name go with it)
+        self.on_drop: Callable[[bytes], None] = lambda _identity: None
         self._status_total, self._status_at = STATUS_TOTAL_PER_S, time.monotonic()
 
     def read(self) -> list[zmq.Frame] | Refusal:
@@ -170,7 +173,7 @@ class Intake:
 
     def frame_limit(self, identity: bytes, payload: zmq.Frame) -> int:
         """The largest payload this sender may send now (see the module docstring)."""
-        role = self.role_of(identity.decode("utf-8", errors="replace"))
+        role = self.role_of(identity)
         if role is None:
             return self.limits.hello
         if role == "actor" and is_group_result(payload.buffer[:32]):
@@ -206,6 +209,7 @@ class Intake:
         length = min(BAN_S[1], 2 * length)
         self.banned[identity] = (now + length, length)
         self.counters[f"dropped/{why}"] += 1
+        self.on_drop(identity)
         peer = self.peers.pop(identity, None)
         if peer is not None and peer.fd >= 0:
             self.connections.shut(peer.fd)
@@ -216,10 +220,9 @@ class Intake:
         message before Hello or as an observer (a Hello) or a learner (a control message);
         an actor two control messages and a GroupResult for each lease it holds, and one
         more (a retried one)."""
-        cid = identity.decode("utf-8", errors="replace")
-        role = self.role_of(cid) if identity else None
+        role = self.role_of(identity) if identity else None
         if role == "actor":
-            groups = self.leases_of(cid) + 1
+            groups = self.leases_of(identity) + 1
             return SLACK + 2 * self.limits.control + groups * self.limits.group
         return SLACK + 2 * (self.limits.control if role == "learner" else self.limits.hello)
 

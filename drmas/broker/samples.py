@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from drmas.broker.scores import step_scores
 from drmas.config.broker import AdvantageConfig
 from drmas.protocol.arrays import unpack_ids
 from drmas.protocol.messages import GroupResult, Task
+
+if TYPE_CHECKING:
+    from drmas.config import DrmasConfig
 
 log = logging.getLogger("drmas.broker")
 
@@ -83,6 +86,21 @@ class SampleWriter:
     """Tokenizers load in a thread started with the writer (importing transformers takes
     seconds, which the broker loop must not stall for); a group sampled before they are
     ready waits in `pending` and is written by `flush`, which the loop calls regularly."""
+
+    @classmethod
+    def for_run(cls, cfg: DrmasConfig, run_dir: Path | None) -> SampleWriter | None:
+        """The run's writer, or None when it keeps no samples (run.samples_every=0)."""
+        if run_dir is None or cfg.run.samples_every <= 0:
+            return None
+        return cls(
+            run_dir / "samples.jsonl",
+            {m: c.path for m, c in cfg.models.items()},
+            cfg.run.samples_every,
+            cfg.run.samples_episodes,
+            cfg.algorithm.advantage,
+            cfg.algorithm.invalid_action_penalty,
+            cfg.workflow.reward_scale,
+        )
 
     def __init__(
         self,

@@ -10,6 +10,8 @@ replaced the holder, any client could cut the real rank off (its next request wo
 refused as an unknown client) and publish from a store of its own. So a seat belongs to
 its holder until it says Goodbye or is silent for broker.learner_timeout_s; a rank that
 restarts says Hello under its own id (`learner-<model>-<rank>`) and takes its seat back.
+No Hello reaches a seat without proving it under the run's learner secret (the gate's
+`_check_proof`, drmas/transports/learner_secret.py), so a free seat is not first come.
 
 Why a seat left mid-run stops the run: without that rank its model cannot step, so the
 actors and the other learners would wait for ever. A seat whose holder leaves before its

@@ -4,7 +4,9 @@ Talks to: actors (leases in, groups out, weight-group joins), learner ranks (bat
 shards, step reports, publish plans) and `drmas status` clients. Every message is first
 bounded on its raw frames by the intake (drmas/broker/intake.py: its parts, its size for
 what its sender may send, a byte budget per peer; a peer that keeps failing them, or does
-not read its replies, is dropped), then decoded with the ToBroker decoder, then admitted or refused by the gate (drmas/broker/gate.py: the
+not read its replies, is dropped), then decoded with the ToBroker decoder, attributed to the client its connection was
+welcomed as (drmas/broker/routes.py: routing ids are the ROUTER's, never the client's),
+then admitted or refused by the gate (drmas/broker/gate.py: the
 sender's role bound at Hello, its CURVE key's role, every field, the run's limits) before
 it touches state; this loop only routes what the gate admits to BrokerState and sends the
 replies. A refused frame gets an ErrorReply (when the sender can be answered), is counted
@@ -31,6 +33,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from drmas.broker.checkpoint import BrokerCheckpoints
@@ -40,9 +43,10 @@ from drmas.broker.heap import tune_gc
 from drmas.broker.intake import FrameLimits, Intake, Refusal
 from drmas.broker.leases import LeaseRecord
 from drmas.broker.metrics import NullSink, StepMetrics
+from drmas.broker.routes import Routes
 from drmas.broker.samples import SampleWriter, transcript_markdown
 from drmas.broker.state import BrokerState
-from drmas.broker.status import lease_accounting, status_reply
+from drmas.broker.status import run_summary, status_reply
 from drmas.broker.trackers import FanOut, make_sink
 from drmas.config import DrmasConfig, config_dict
 from drmas.protocol import Limits, ProtocolError, decode_to_broker, encode
@@ -69,12 +73,16 @@ from drmas.protocol.wire_limits import MAX_NAME_CHARS, MAX_WIRE_EPISODE_METRICS
 from drmas.tasks.source import TaskSource
 from drmas.teams.resolve import resolve
 from drmas.transports.channel import bind_router
+from drmas.transports.learner_secret import load_secret
 from drmas.transports.security import key_roles, keys_dir
 
 log = logging.getLogger("drmas.broker")
 _NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's flag enums cost microseconds per message
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
 SHUTDOWN_LINGER_MS = 1000
+ROUTE_STALE_BEATS = 3
+"""Heartbeat intervals of silence after which a client's name may be taken by a new
+connection (it restarted or reconnected: drmas/broker/routes.py)."""
 """At close, after a Shutdown broadcast: how long the socket may take to deliver it."""
 
 
@@ -118,7 +126,7 @@ class BrokerServer:
             cfg, TaskSource(cfg.task), StepMetrics(sink, sorted(cfg.models)), uuid.uuid4().hex[:12]
         )
         self.checkpoints.restore(self.state)
-        self.samples = self._sample_writer(cfg, run_dir)
+        self.samples = SampleWriter.for_run(cfg, run_dir)
         self.sink = sink
         limits = Limits(
             agent_models=dict(self.state.agent_models),
@@ -128,7 +136,13 @@ class BrokerServer:
             # trained on
             max_steps_per_episode=team.max_steps_per_episode(cfg.workflow),
         )
-        self.gate = Gate(self.state, limits)
+        secret = load_secret(cfg.security)  # SecurityError (exit 2) if named but unreadable
+        if secret is None:
+            log.warning(
+                "security.learner_secret is empty: any client may take a free learner seat; "
+                "start the broker with --config RUN_DIR/config.yaml from `drmas prepare`"
+            )
+        self.gate = Gate(self.state, limits, secret)
         self.cpu = self.state.metrics.cpu
         # CURVE: public key (z85) -> Hello roles it may take (authorized/roles.json)
         self.key_roles = key_roles(keys_dir(cfg.security)) if cfg.security.curve else None
@@ -144,10 +158,14 @@ class BrokerServer:
             self.sock, b.max_connections_per_host, b.max_connections, b.max_connections_per_key,
             self.key_roles,
         )  # fmt: skip
+        # which client each connection speaks for: bound at its Hello, never chosen by it
+        self.routes = Routes(stale_s=ROUTE_STALE_BEATS * b.heartbeat_interval_s)
         self.intake = Intake(
-            self.sock, frames, self.connections, self.state.counters, self.gate_role,
-            self.leases_held,
+            self.sock, frames, self.connections, self.state.counters,
+            lambda identity: self.state.role_of(self.routes.name_of(identity) or ""),
+            lambda identity: self.state.leases_held(self.routes.name_of(identity) or ""),
         )  # fmt: skip
+        self.intake.on_drop = self.routes.forget  # it reconnects and says Hello as itself
         self._stop = ""
         """Why serve() stops before training is done: the signal's name, or empty. It then
         tells every client Shutdown and serves on until the learners have said Goodbye
@@ -155,20 +173,6 @@ class BrokerServer:
         self._stop_by = 0.0
         self._shutdown_sent = False
         log.info("broker listening on %s (run %s)", self.address, self.state.run_id)
-
-    @staticmethod
-    def _sample_writer(cfg: DrmasConfig, run_dir: Path | None) -> SampleWriter | None:
-        if run_dir is None or cfg.run.samples_every <= 0:
-            return None
-        return SampleWriter(
-            run_dir / "samples.jsonl",
-            {m: c.path for m, c in cfg.models.items()},
-            cfg.run.samples_every,
-            cfg.run.samples_episodes,
-            cfg.algorithm.advantage,
-            cfg.algorithm.invalid_action_penalty,
-            cfg.workflow.reward_scale,
-        )
 
     # ------------------------------------------------------------------ loop
     def serve(self, max_seconds: float | None = None) -> None:
@@ -188,6 +192,7 @@ class BrokerServer:
             watch = self.intake.watch
             while True:
                 if self.sock.poll(watch.poll_ms):
+                    self.connections.poll()  # shut what is over the caps before reading it
                     self.drain()
                 self.connections.poll()
                 if self.connections.refused:
@@ -197,6 +202,7 @@ class BrokerServer:
                 if now - last_reap > 0.5:
                     started = time.thread_time()
                     self.state.reap(now)
+                    self.routes.prune(lambda cid: self.state.last_seen(cid) is not None)
                     self.intake.tick(now)
                     self.flush_samples()
                     self.cpu.add("reap", time.thread_time() - started)
@@ -234,22 +240,6 @@ class BrokerServer:
             else:
                 self.handle(got)
 
-    def gate_role(self, client_id: str) -> str | None:
-        """The role `client_id` registered with ("actor", "learner"), or None."""
-        st = self.state
-        return (
-            "actor"
-            if client_id in st.table.actors
-            else "learner"
-            if client_id in st.learners
-            else None
-        )
-
-    def leases_held(self, client_id: str) -> int:
-        """Leases the actor `client_id` holds (0 for any other sender)."""
-        actor = self.state.table.actors.get(client_id)
-        return 0 if actor is None else len(actor.leases)
-
     def answer(self, refusal: Refusal) -> None:
         """Tell the sender of a message the intake refused (counted there) why."""
         if refusal.answer:
@@ -271,19 +261,9 @@ class BrokerServer:
         if self.samples is not None and self.samples.pending:
             self.samples.ready.wait(30)  # explicit bound: a run that ends early keeps its sample
             self.flush_samples()
-        counters = dict(self.state.counters)
-        self.state.metrics.close(counters)
+        self.state.metrics.close(dict(self.state.counters))
         if self.run_dir:
-            summary = {
-                "counters": counters,
-                "versions": self.state.versions,
-                "accepted_groups": len(self.state.accepted_groups),
-                "trained_groups": {m: len(g) for m, g in self.state.trained_groups.items()},
-                "leases": lease_accounting(self.state),
-                "done": self.state.done,
-                "learner_lost": self.state.learners.lost,  # why the run stopped early, or ""
-                "cpu": self.cpu.summary(time.monotonic()),
-            }
+            summary = run_summary(self.state, self.cpu.summary(time.monotonic()))
             (self.run_dir / "broker_summary.json").write_text(json.dumps(summary, indent=2))
         self.connections.close()
         self.sock.close(linger=linger_ms)
@@ -297,9 +277,14 @@ class BrokerServer:
         log.info("shutdown sent: %s", reason)
 
     # -------------------------------------------------------------- dispatch
-    def send(self, client_id: str, message: object) -> None:
-        """Queue a reply; a peer whose queue is full does not read and is dropped."""
-        identity = client_id.encode()
+    def send(self, client_id: str, message: object, identity: bytes | None = None) -> None:
+        """Queue a message for `client_id` over the connection its Hello was welcomed on
+        (or over `identity`: a reply to one that said none); a peer whose queue is full
+        does not read and is dropped."""
+        identity = identity or self.routes.identity_of(client_id)
+        if identity is None:  # its connection was let go: nothing to send it on
+            self.state.counters["send_failed"] += 1
+            return
         try:  # two sends with int flags: send_multipart's enum arithmetic cost more than both
             self.sock.send(identity, _MORE)
             self.sock.send(encode(message), _NOBLOCK)  # type: ignore[arg-type]
@@ -342,12 +327,11 @@ class BrokerServer:
         try:
             msg = decode_to_broker(payload)
             tag = type(msg).__struct_config__.tag  # type: ignore[assignment]
-            client_id = identity.decode("utf-8", errors="strict")
-            self.dispatch(client_id, msg, self._key_roles_of(frames[1]))
+            curve_key = str(frames[1].get("User-Id")) if self.key_roles is not None else ""
+            cid, msg = self._speaker(identity, msg, curve_key)
+            self.dispatch(cid, msg, self._key_roles_of(frames[1]), identity, curve_key)
         except ProtocolError as exc:
             self.refuse(identity, exc.code, exc.reason, tag)
-        except UnicodeDecodeError:
-            self.refuse(identity, "bad_frame", "client identity is not UTF-8")
         except Exception as exc:  # last resort: a bug or an unforeseen input must not kill the run
             key = (tag, type(exc).__name__)
             if key not in self._internal_logged:  # once per message type and error type
@@ -359,13 +343,32 @@ class BrokerServer:
         finally:
             self.cpu.add(tag or "bad_frame", time.thread_time() - started)
 
+    def _speaker(self, identity: bytes, msg: ToBroker, key: str) -> tuple[str, ToBroker]:
+        """Who a message from connection `identity` is from: the client its Hello was
+        welcomed under ("" if none); for a Hello, the name it is to be welcomed under,
+        which the Hello then carries (drmas/broker/routes.py)."""
+        if not isinstance(msg, Hello):
+            return self.routes.name_of(identity) or "", msg
+        proven = msg.role != "learner" or self.gate.learner_secret is not None
+        name = self.routes.hello_name(
+            msg, identity, key, self.state.last_seen, time.monotonic(), proven
+        )
+        return name, msg if name == msg.client_id else msgspec.structs.replace(msg, client_id=name)
+
     def _key_roles_of(self, frame: zmq.Frame) -> frozenset[str] | None:
         """With CURVE: the roles the sender's key may take (its ZAP User-Id is the key)."""
         if self.key_roles is None:
             return None
         return self.key_roles.get(str(frame.get("User-Id")), frozenset())
 
-    def dispatch(self, cid: str, msg: ToBroker, key_roles: frozenset[str] | None = None) -> None:
+    def dispatch(
+        self,
+        cid: str,
+        msg: ToBroker,
+        key_roles: frozenset[str] | None = None,
+        identity: bytes | None = None,
+        key: str = "",
+    ) -> None:
         """Route one message: the gate admits it or raises (and nothing has changed), then
         BrokerState applies it and the sender gets its reply."""
         now = time.monotonic()
@@ -375,15 +378,9 @@ class BrokerServer:
         except InvalidGroup as refused:
             st.refuse_group(refused.lease)  # its task is re-issued now, not at timeout
             raise
-        if isinstance(msg, Hello):
-            self.on_hello(cid, msg, now)
-            return
-        if isinstance(msg, StatusRequest):
-            refusal = self.intake.allow_status(cid.encode())
-            if refusal is None:
-                self.send(cid, status_reply(st, now))
-            else:
-                self.answer(refusal)
+        if isinstance(msg, Hello | StatusRequest):
+            # the connection it came on (an in-process caller that has none: its name)
+            self.greet(cid, msg, identity if identity is not None else cid.encode(), key, now)
             return
         st.seen(cid, now)
         match msg:
@@ -422,6 +419,21 @@ class BrokerServer:
                     st.hand_back(cid, msg.lease_ids)
                     st.drop_actor(cid, "left")
 
+    def greet(
+        self, cid: str, msg: Hello | StatusRequest, identity: bytes, key: str, now: float
+    ) -> None:
+        """A Hello the gate admitted (the connection now speaks for `cid`), or a status
+        request, answered over the connection it came on."""
+        if isinstance(msg, Hello):
+            self.routes.bind(cid, identity, key)
+            self.on_hello(cid, msg, now)
+            return
+        refusal = self.intake.allow_status(identity)
+        if refusal is None:
+            self.send(cid, status_reply(self.state, now), identity)
+        else:
+            self.answer(refusal)
+
     def on_hello(self, cid: str, msg: Hello, now: float) -> None:
         """Register the sender in the role it says (the gate has checked it may) and
         welcome it with the run's versions and agent -> model map."""
@@ -437,6 +449,7 @@ class BrokerServer:
                 model_versions=dict(st.versions),
                 agent_models=dict(st.agent_models),
                 heartbeat_interval_s=self.cfg.broker.heartbeat_interval_s,
+                client_id=cid,
             ),
         )
 

@@ -145,6 +145,22 @@ class BrokerState:
         never taken over; raises ValueError if not); host and pid name it if it is lost."""
         self.learners.add(cid, model, rank, size, now, host, pid)
 
+    def role_of(self, client_id: str) -> str | None:
+        """The role `client_id` registered with ("actor", "learner"), or None."""
+        if client_id in self.table.actors:
+            return "actor"
+        return "learner" if client_id in self.learners else None
+
+    def last_seen(self, client_id: str) -> float | None:
+        """When the actor or learner registered as `client_id` was last heard, or None."""
+        record = self.table.actors.get(client_id) or self.learners.get(client_id)
+        return None if record is None else record.last_seen
+
+    def leases_held(self, client_id: str) -> int:
+        """Leases the actor `client_id` holds (0 for any other client)."""
+        actor = self.table.actors.get(client_id)
+        return 0 if actor is None else len(actor.leases)
+
     def seen(self, client_id: str, now: float, versions: dict[str, int] | None = None) -> bool:
         actor = self.table.actors.get(client_id)
         if actor is not None:

@@ -1,13 +1,13 @@
 """Read-only views of the broker's state (drmas/broker/state.py) for people and checks.
 
 `status_reply` is what a `drmas status` client gets for a StatusRequest (the broker loop,
-drmas/broker/server.py, sends it); `lease_accounting` goes into broker_summary.json at
-the end of a run, and tests check that it balances.
+drmas/broker/server.py, sends it); `run_summary` is broker_summary.json, written at the
+end of a run, with `lease_accounting`, which tests check balances.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from drmas.protocol.messages import ActorStatus, ModelStatus, StatusReply
 
@@ -65,3 +65,17 @@ def lease_accounting(state: BrokerState) -> dict[str, int]:
     ended["issued"] = c["leases_issued"]
     ended["balanced"] = int(c["leases_issued"] == sum(v for k, v in ended.items() if k != "issued"))
     return ended
+
+
+def run_summary(state: BrokerState, cpu: dict[str, Any]) -> dict[str, Any]:
+    """broker_summary.json: counters, versions, groups, leases, how the run ended, CPU."""
+    return {
+        "counters": dict(state.counters),
+        "versions": state.versions,
+        "accepted_groups": len(state.accepted_groups),
+        "trained_groups": {m: len(g) for m, g in state.trained_groups.items()},
+        "leases": lease_accounting(state),
+        "done": state.done,
+        "learner_lost": state.learners.lost,  # why the run stopped early, or ""
+        "cpu": cpu,
+    }

@@ -51,3 +51,10 @@ class SecurityConfig:
     allow_insecure: bool = False
     """Bind the broker to a non-loopback address without CURVE (warns). Only on networks
     where every host is trusted: anyone who can reach the port can read and inject."""
+    learner_secret: str = ""
+    """File holding the run's learner secret: a learner's Hello carries an HMAC of its
+    seat under it, and the broker seats no learner rank without one, so no other client
+    can take (or take back) a learner seat. `drmas train` and `drmas prepare` write it as
+    RUN_DIR/learner.secret (mode 600) and put its path here; copy it to the learner nodes
+    only, never to actor nodes. Empty = learner seats are open to any client that says
+    Hello first (the broker warns)."""

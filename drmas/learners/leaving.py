@@ -151,7 +151,7 @@ def goodbye(client: BrokerClient, reason: str) -> None:
         client.send(Goodbye(client.client_id, reason=reason[:1000]))
     except (BrokerUnavailable, zmq.ZMQError) as exc:
         log.warning("could not tell the broker (%s): it notices after its timeouts", exc)
-    sock.close(linger=int(GOODBYE_FLUSH_S * 1000))
+    client.close(linger_ms=int(GOODBYE_FLUSH_S * 1000))  # its monitor too: term() waits for all
     flushed = threading.Thread(target=context.term, name="goodbye-flush", daemon=True)
     flushed.start()  # term() returns once the lingering message is sent (or linger ends)
     flushed.join(GOODBYE_FLUSH_S + 0.5)

@@ -64,6 +64,7 @@ from drmas.protocol.messages import (
 )
 from drmas.transports.channel import BrokerClient, BrokerRefused
 from drmas.transports.digest import Digest, hashing
+from drmas.transports.learner_secret import load_secret, proof
 from drmas.transports.weights import TensorSpec, WeightSender, WeightSyncError
 
 if TYPE_CHECKING:
@@ -164,10 +165,12 @@ class Learner:
         """Load and shard the model, say Hello, take the broker's version of the model
         (loading its checkpoint with run.resume); rank 0 opens its weight store."""
         cfg, model, rank = self.cfg, self.model, self.rank
+        secret = load_secret(cfg.security)  # the run's: proves this rank may take its seat
         self.trainer = Trainer(cfg, model, rank, self.world_size, self.device)
+        client_id = f"learner-{model}-{rank}"
         self._client = BrokerClient(
             cfg.broker.address,
-            f"learner-{model}-{rank}",
+            client_id,
             max_message_bytes=cfg.broker.max_message_bytes,
             security=cfg.security,
         )
@@ -177,6 +180,7 @@ class Learner:
             rank=rank,
             world_size=self.world_size,
             timeout_s=cfg.learner.timeout_s,
+            proof=proof(secret, client_id, model, rank) if secret is not None else "",
         )
         self.version = broadcast_int(welcome.model_versions[model], self.device)
         self.beat = Heartbeats(self._client, model, self.version, welcome.heartbeat_interval_s)

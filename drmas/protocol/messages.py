@@ -70,6 +70,9 @@ class Hello(_Msg, tag="hello"):
     world_size: int = 1  # learner: ranks in its model's learner group
     pid: int = 0
     host: Id = ""
+    # learner: HMAC of (client_id, model, rank) under the run's learner secret
+    # (drmas/transports/learner_secret.py); the broker seats no learner without it
+    proof: Id = ""
 
 
 # broker -> any: answer to Hello.
@@ -80,6 +83,9 @@ class Welcome(_Msg, tag="welcome"):
         dict[Name, Name], msgspec.Meta(max_length=MAX_ADAPTERS)
     ]  # agent -> model
     heartbeat_interval_s: float
+    # the client id this connection is welcomed under: the Hello's, or `<id>~<n>` when a
+    # live connection already speaks for that one (drmas/broker/routes.py)
+    client_id: Id = ""
 
 
 # actor/learner -> broker, every heartbeat_interval_s; no reply.

@@ -37,11 +37,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import logging
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from drmas.config.transport import SecurityConfig
 from drmas.protocol import (
@@ -53,6 +56,8 @@ from drmas.protocol import (
 from drmas.protocol.messages import ErrorReply, FromBroker, Hello, Role, Welcome
 from drmas.transports.security import check_bind, secure_client, secure_server
 
+log = logging.getLogger("drmas.transports.channel")
+
 T = TypeVar("T")
 
 REPLY_QUEUE = 1000
@@ -63,6 +68,17 @@ RECV_QUEUE = 1000
 
 SEND_TIMEOUT_S = 10.0
 """Longest a send may wait for room in the queue to the broker."""
+CONNECTION_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+"""What a client's monitor records (`BrokerClient.events`)."""
+HELLO_CLOSES = 3
+"""Times the broker may close a connection before a Hello is answered: then it is refused
+(the connection caps), not left to time out. A broker that restarts closes it once."""
 RECONNECT_MS = (100, 2000)
 """A client's first and longest wait before it tries to connect again (doubling in
 between) while the broker's port refuses it. libzmq 4.3 restarts the wait at the first
@@ -146,7 +162,8 @@ class BrokerClient:
         self.client_id = client_id
         self._ctx = ctx or zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, client_id.encode())
+        # no zmq.IDENTITY: the broker's ROUTER gives each connection its own routing id, and
+        # the Welcome says which client id it speaks for (drmas/broker/routes.py)
         self.sock.setsockopt(zmq.SNDHWM, 10_000)
         self.sock.setsockopt(zmq.RCVHWM, 10_000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -162,8 +179,24 @@ class BrokerClient:
             except BaseException:
                 self.sock.close(linger=0)
                 raise
+        # the broker shuts a connection beyond its caps (per host, in all, per CURVE key),
+        # or one whose key it refuses, before it can say anything: a Hello learns it from
+        # these events, not a timeout (a socket has one monitor: read it through `events`)
+        self._closed = self.sock.get_monitor_socket(CONNECTION_EVENTS)
+        self._events: collections.deque[zmq.Event] = collections.deque(maxlen=256)
         self.sock.connect(address)
         self.inbox: collections.deque[FromBroker] = collections.deque()
+
+    def events(self) -> list[zmq.Event]:
+        """The connection's events so far (the last 256: disconnects and handshakes)."""
+        while not self._closed.closed and self._closed.poll(0):
+            self._event()
+        return list(self._events)
+
+    def _event(self) -> zmq.Event:
+        event = zmq.Event(recv_monitor_message(self._closed)["event"])
+        self._events.append(event)
+        return event
 
     def send(self, message: object) -> None:
         try:
@@ -189,20 +222,55 @@ class BrokerClient:
                 if time.monotonic() >= deadline:
                     return None
 
-    def request(self, message: object, expect: type[T] | tuple[type, ...], timeout_s: float) -> T:
+    def request(
+        self,
+        message: object,
+        expect: type[T] | tuple[type, ...],
+        timeout_s: float,
+        max_closes: int = 0,
+    ) -> T:
         """Send and wait (blocking) for a reply of type `expect`; other messages go to
-        `inbox`. Processes without an event loop (learner ranks, `drmas status`) use it."""
+        `inbox`. Processes without an event loop (learner ranks, `drmas status`) use it.
+        `max_closes` > 0: raise BrokerRefused("closed") once the broker has closed the
+        connection that many times without an answer (a Hello beyond its caps)."""
+        self.events()  # closes before this request are not its answer
         self.send(message)
         deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._closed, zmq.POLLIN)
+        closes = 0
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._unanswered(message, timeout_s)
-            if not self.sock.poll(int(left * 1000) + 1):
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if self._closed in ready:
+                closes += self._event() == zmq.EVENT_DISCONNECTED
+                if max_closes and closes >= max_closes:
+                    raise self._closed_on(message, closes)
+            if self.sock not in ready:
                 continue
             reply = self._take(message, expect)
             if reply is not None:
                 return reply
+
+    def _closed_on(self, message: object, closes: int) -> BrokerRefused:
+        failed = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}
+        why = (
+            "refused this client's CURVE key (security.keys_dir, security.client_name)"
+            if zmq.EVENT_HANDSHAKE_FAILED_AUTH in self._events
+            else "failed the handshake (is security.curve the same here as the broker's?)"
+            if failed & set(self._events)
+            else "is at a connection cap (broker.max_connections_per_host, "
+            "broker.max_connections, or the CURVE key's); close other connections from "
+            "this host or raise the cap"
+        )
+        return BrokerRefused(
+            f"the broker at {self.address} closed the connection {closes} times before "
+            f"answering {type(message).__name__}: it {why}",
+            "closed",
+        )
 
     async def arequest(
         self,
@@ -258,8 +326,17 @@ class BrokerClient:
         )
 
     def hello(
-        self, role: Role, models: list[str], *, timeout_s: float, rank: int = 0, world_size: int = 1
+        self,
+        role: Role,
+        models: list[str],
+        *,
+        timeout_s: float,
+        rank: int = 0,
+        world_size: int = 1,
+        proof: str = "",
     ) -> Welcome:
+        """Say Hello and wait for the Welcome (BrokerRefused: refused, with the reason).
+        `proof`: a learner's seat proof (drmas/transports/learner_secret.py)."""
         import os
         import socket
 
@@ -272,8 +349,22 @@ class BrokerClient:
             world_size=world_size,
             pid=os.getpid(),
             host=socket.gethostname(),
+            proof=proof,
         )
-        return self.request(msg, Welcome, timeout_s)
+        welcome = self.request(msg, Welcome, timeout_s, max_closes=HELLO_CLOSES)
+        if welcome.client_id and welcome.client_id != self.client_id:
+            log.warning(
+                "%s is in use by another live connection: the broker welcomed this one as %s",
+                self.client_id, welcome.client_id,
+            )  # fmt: skip
+            self.client_id = welcome.client_id
+        return welcome
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the connection (again: nothing happens); `linger_ms`: how long what is
+        still queued for the broker may take to leave."""
+        if not self.sock.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+        self._closed.close(linger=0)
+        self.sock.close(linger=linger_ms)

@@ -576,3 +576,48 @@ def test_connections_beyond_the_per_host_cap_are_closed(tmp_path: Path) -> None:
         finally:
             for s in idle:
                 s.close()
+
+
+def test_a_hello_beyond_the_connection_cap_is_refused_not_left_to_time_out(
+    tmp_path: Path,
+) -> None:
+    """Issue #36, item 9: while one host holds the connection cap, a new client's Hello got
+    no answer at all. The broker can say nothing on a connection it shuts at once, so the
+    client counts the closes and refuses itself, naming the caps."""
+    import threading
+
+    from drmas.transports.channel import BrokerClient, BrokerRefused
+
+    with broker_server(tmp_path, "broker.max_connections_per_host=2") as srv:
+        stop = threading.Event()
+
+        def pump() -> None:  # as the broker loop (serve) reads and applies its caps
+            while not stop.is_set():
+                if srv.sock.poll(20):
+                    srv.connections.poll()
+                    srv.drain()
+                srv.connections.poll()
+
+        loop = threading.Thread(target=pump, daemon=True)
+        loop.start()
+        host, port = srv.address.removeprefix("tcp://").rsplit(":", 1)
+        holders = [socket.create_connection((host, int(port)), timeout=5) for _ in range(2)]
+        try:
+            deadline = time.monotonic() + 30
+            while srv.connections.per_host["loopback"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)  # the pump counts them
+            assert srv.connections.per_host["loopback"] == 2
+            late = BrokerClient(srv.address, "late")
+            with pytest.raises(BrokerRefused) as err:
+                late.hello("client", [], timeout_s=120)
+            late.close()
+            assert err.value.code == "closed" and "max_connections_per_host" in str(err.value)
+            holders.pop().close()  # room again: the next one is welcomed
+            again = BrokerClient(srv.address, "again")
+            assert isinstance(again.hello("client", [], timeout_s=120), Welcome)
+            again.close()
+        finally:
+            stop.set()
+            loop.join(10)
+            for s in holders:
+                s.close()

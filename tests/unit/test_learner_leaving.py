@@ -82,14 +82,15 @@ def test_sigterm_sends_a_goodbye_naming_the_job_then_exits(main_thread: str) -> 
         assert child.stdout is not None and child.stdout.readline() == b"ready\n"
         assert router.poll(30_000), "the child never connected"
         identity, first = router.recv_multipart()
-        assert identity == b"learner-solver-1"
-        assert isinstance(decode_to_broker(first), Heartbeat)
+        heartbeat = decode_to_broker(first)  # the routing id is the ROUTER's: the name is here
+        assert isinstance(heartbeat, Heartbeat) and heartbeat.client_id == "learner-solver-1"
         if main_thread == "blocked":
             in_c_sleep(child.pid)  # else the main thread could still catch the signal itself
         child.send_signal(signal.SIGTERM)
         assert child.wait(60) == 128 + signal.SIGTERM
         assert router.poll(5_000), "no Goodbye reached the broker"
-        identity, frame = router.recv_multipart()
+        same, frame = router.recv_multipart()
+        assert same == identity  # over the connection that sent the heartbeat
     finally:
         if child.poll() is None:
             child.kill()
