@@ -15,7 +15,7 @@ class WeightSyncConfig:
     """Parameters are flattened into buckets of about this many MiB per broadcast."""
     timeout_s: Seconds = 60.0
     """Every rendezvous and broadcast of the weight group times out after this."""
-    join_timeout_s: Seconds = 10.0
+    join_timeout_s: Seconds = 5.0
     """How long learner rank 0 waits for a publish's members to check in (each proves the
     group's token through the weight store) before it sends to those that did: a member
     that is late, said Goodbye or never comes is left out of that publish and gets the

@@ -52,7 +52,7 @@ def test_name_squatters_a_brief_actor_and_one_that_never_joins_do_not_stop_the_r
     tmp_path: Path, model_cache: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    train = start_train(run_dir, model_cache, "weights.join_timeout_s=5")
+    train = start_train(run_dir, model_cache)  # weights.join_timeout_s: 5 s
     ctx = zmq.Context()
     stop, seen = threading.Event(), Counter[str]()
     thread = None
