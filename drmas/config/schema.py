@@ -221,7 +221,8 @@ def config_text(cfg: Any, group: str = "", *, docs: bool = False) -> str:
             return f"{group}: {node}\n"
         return OmegaConf.to_yaml(node)
     plain = OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
-    lines = []
+    # the config groups first (not keys of the config: chosen with `experiment=NAME`)
+    lines = [f"# {name}=NAME  # {_option(name, type(cfg))[0]}" for name in GROUP_DOCS if not group]
     for key, value in _leaves(plain, group):
         generic = ".".join(_generic_parts(key, type(cfg)))
         doc = _with_choices(*_option(generic, type(cfg)))

@@ -68,6 +68,11 @@ def test_help_and_config_docs_list_every_mode_and_experiment(
         x for x in capsys.readouterr().out.splitlines() if x.startswith("algorithm.advantage.mode")
     )
     assert line.endswith(f"One of: {', '.join(modes)}."), line
+    assert cli(["config", "--docs"]) == 0  # the whole list starts with the config groups
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("# experiment=NAME") and all(
+        re.search(rf"\b{name}\b", first) for name in experiments
+    ), first
 
 
 def test_drmas_config_prints_the_resolved_config(capsys: pytest.CaptureFixture) -> None:
