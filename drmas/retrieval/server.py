@@ -148,12 +148,12 @@ class BoundedServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._served(-1)
             with self._count:
                 handed_over = request in self._handed_over
                 self._handed_over.discard(request)
             if not handed_over:  # an evicted connection's slot went to its evictor
                 self.slots.release()
+            self._served(-1)  # after the release: `serving` never counts a free slot as held
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hangs up or resets is its own business (logged at debug, so a
