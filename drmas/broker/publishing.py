@@ -36,7 +36,11 @@ A publish begins with a roll call (drmas/transports/weights/group.py): learner r
 sends only to the members that check in with the token within weights.join_timeout_s and
 names the others in PublishDone.left_out. Those are behind, re-published to as above, and
 an actor left out of MAX_MISSED_JOINS publishes in a row is dropped (a connection that
-registers as an actor and never joins cannot slow every publish for ever).
+registers as an actor and never joins cannot slow every publish for ever). An actor that
+checked in to a publish and has not yet reported its load (`joining`: a publish that
+failed at rank 0 leaves its members receiving until their own timeout) is not planned
+into another publish of that model until it reports, or weights.timeout_s +
+join_timeout_s have passed: it would miss that roll call through no fault of its own.
 
 Bounded: digests are kept for the last three versions of each model only.
 """
@@ -106,6 +110,10 @@ class WeightPublishing:
         self.members: dict[str, list[str]] = {}  # model -> members of its last plan
         self.missed_joins: collections.Counter[str] = collections.Counter()  # in a row
         self.never_joined: list[str] = []  # reached MAX_MISSED_JOINS: for the state to drop
+        # (actor, model) -> when it was sent a join it has neither loaded nor been left out
+        # of: it may still be receiving (a broadcast that failed ends at its timeout), so
+        # it is not planned into another publish until it reports (or the bound passes)
+        self.joining: dict[tuple[str, str], float] = {}
 
     def stale_actors(self, model: str, version: int, now: float) -> list[str]:
         """Actors holding weights older than `version` while no publish of `model` is in
@@ -157,6 +165,12 @@ class WeightPublishing:
         else:
             members = sorted(a.client_id for a in self.actors.values() if model in a.models)
             full = True
+        busy = [cid for cid in members if self._busy(cid, model, now)]
+        if busy:
+            self.counters["weight_joins_deferred"] += len(busy)
+            members = [cid for cid in members if cid not in busy]
+        for cid in members:
+            self.joining[(cid, model)] = now
         self.planned[model] = version
         self.members[model] = members
         adapters = self._adapters(model, version, members)
@@ -241,12 +255,20 @@ class WeightPublishing:
                 values[f"publish_adapters/{model}"] = float(self.carried[model])
             self.metrics.report(version, model, "publish", values, dict(self.counters))
 
+    def _busy(self, client_id: str, model: str, now: float) -> bool:
+        """Whether the actor may still be receiving an earlier publish of `model` (joined,
+        not yet reported): weights.timeout_s + join_timeout_s after the join at most."""
+        at = self.joining.get((client_id, model))
+        bound = self.cfg.weights.timeout_s + self.cfg.weights.join_timeout_s
+        return at is not None and now - at < bound
+
     def _left_out(self, model: str, version: int, left_out: Sequence[str]) -> None:
         """Members that missed a publish's roll call are behind: re-published to like an
         actor whose load failed (with its back-off), and dropped after MAX_MISSED_JOINS
         publishes in a row (collected in `never_joined` for BrokerState.drop_actor)."""
         now = time.monotonic()
         for client_id in left_out:
+            self.joining.pop((client_id, model), None)  # it never checked in: not receiving
             if client_id not in self.actors:
                 continue  # it said Goodbye or was dropped meanwhile
             self.counters["weight_joins_missed"] += 1
@@ -276,6 +298,7 @@ class WeightPublishing:
         digest: str = "",
         now: float | None = None,
     ) -> None:
+        self.joining.pop((client_id, model), None)
         actor = self.actors.get(client_id)
         if actor is not None and ok:
             actor.versions[model] = max(actor.versions.get(model, 0), version)
@@ -296,6 +319,8 @@ class WeightPublishing:
         version to the actor waits for reload_backoff_s."""
         for gone in [k for k in self.failed_loads if k[0] not in self.actors]:
             del self.failed_loads[gone]  # bounded by the actors registered now
+        for gone in [k for k in self.joining if k[0] not in self.actors]:
+            del self.joining[gone]
         if client_id not in self.actors:
             return
         last, count, _ = self.failed_loads.get((client_id, model), (version, 0, now))
