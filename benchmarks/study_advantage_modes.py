@@ -239,12 +239,17 @@ def copy_run_files(run_dir: Path, dest: Path, roots: tuple[Path, ...]) -> None:
 # ------------------------------------------------------------------ running
 
 
+RUN_TIMEOUT_S = 3 * 3600
+"""One run's bound: a SmolLM2 run takes about 45 minutes alone and hit the former 1 hour
+on a machine shared with a CI run; three hours means it is stuck."""
+
+
 def _drmas(command: str, args: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "drmas.launch.cli", command, *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=3600)  # fmt: skip
+                          env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
     return done, time.monotonic() - start
 
 
