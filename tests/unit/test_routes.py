@@ -15,7 +15,7 @@ import zmq
 
 from drmas.broker.routes import Routes
 from drmas.broker.server import BrokerServer
-from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode
+from drmas.protocol import PROTOCOL_VERSION
 from drmas.protocol.messages import (
     ErrorReply,
     Heartbeat,
@@ -27,6 +27,7 @@ from drmas.protocol.messages import (
     Welcome,
 )
 from tests.fixtures.broker_server import broker_server
+from tests.unit.test_broker_gate import Peer
 
 MODELS = ["solver", "verifier"]
 
@@ -37,33 +38,21 @@ def server(tmp_path: Path) -> Iterator[BrokerServer]:
         yield srv
 
 
-class Conn:
-    """A DEALER as drmas's clients open it (no identity of its own, unless `identity`)."""
+class Conn(Peer):
+    """A DEALER as drmas's clients open it: no identity of its own, unless `identity`
+    (test_broker_gate's Peer, which always sets one, pumps the broker the same way)."""
 
     def __init__(self, server: BrokerServer, identity: bytes = b"") -> None:
-        self.server = server
+        self.server, self.cid = server, ""
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         if identity:
             self.sock.setsockopt(zmq.IDENTITY, identity)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(server.address)
 
-    def ask(self, msg: Any, timeout: float = 5.0) -> Any:
-        self.sock.send(encode(msg))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.server.sock.poll(20):
-                self.server.drain()
-            if self.sock.poll(0):
-                return decode_from_broker(self.sock.recv())
-        return None
-
-    def hello(self, name: str, role: str = "actor", **kw: Any) -> Any:
+    def hello(self, name: str, role: str = "actor", **kw: Any) -> Any:  # type: ignore[override]
         models = kw.pop("models", MODELS if role == "actor" else [])
         return self.ask(Hello(role, name, PROTOCOL_VERSION, models, **kw))  # type: ignore[arg-type]
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
 
 
 def test_a_connection_holding_a_clients_name_as_its_identity_cannot_cut_it_off(
