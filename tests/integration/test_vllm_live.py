@@ -10,7 +10,7 @@ over gloo) and drives one VLLMEngine, whose vLLM worker process joins each publi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -93,9 +93,12 @@ class Learner:
     def publish(self, engine: VLLMEngine) -> str:
         return run(engine, self.publish_async(engine), 90)
 
-    async def publish_async(self, engine: VLLMEngine) -> str:
+    async def publish_async(
+        self, engine: VLLMEngine, on_pause: Callable[[], None] = lambda: None
+    ) -> str:
         """What the actor does on a JoinWeightGroup (pause, receive, resume) while this
-        "learner" broadcasts from a thread; checks the digest the engine reports."""
+        "learner" broadcasts from a thread; checks the digest the engine reports.
+        `on_pause` runs once generation is paused, before any weight arrives."""
         name = f"policy-v{self.version}"
         join = JoinWeightGroup("policy", self.version, name, self.sender.store_address, 1, 2, 30.0)
         tensors = [(n, t.detach().clone()) for n, t in self.model.named_parameters()]
@@ -103,6 +106,7 @@ class Learner:
             asyncio.to_thread(self.sender.publish, name, 2, tensors, 30.0)
         )
         await engine.pause()
+        on_pause()
         try:
             digest = await engine.receive_weights(join, digest=True)
         finally:

@@ -188,6 +188,8 @@ class VLLMEngine:
         self.llm: Any = None
         self.tokens_generated = 0
         """Tokens sampled since start (all requests): for throughput metrics."""
+        self.requests_running = 0
+        """Requests submitted to vLLM and not yet ended (running or queued in its scheduler)."""
         self._ids = itertools.count()
         self._open = asyncio.Event()  # set while not paused: new requests may be submitted
         self._pauses = 0  # pauses so far: a request aborted by one of them is restarted
@@ -308,12 +310,14 @@ class VLLMEngine:
         request_id = f"{self.model_name}-{next(self._ids)}"
         lora_request = self.adapters.slots.acquire(adapter) if self.adapters else None
         final = None
+        self.requests_running += 1
         try:
             async for output in self.llm.generate(
                 prompt, params, request_id=request_id, lora_request=lora_request
             ):
                 final = output
         finally:
+            self.requests_running -= 1
             if self.adapters is not None:
                 await self.adapters.release(self.llm, lora_request)
         if final is None:
