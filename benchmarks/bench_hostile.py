@@ -5,7 +5,11 @@
 Two parts. `attacks`: the attacks of issue #25 (1: many empty parts before Hello, and 1b
 after a Hello as an actor, whose allowance of unread bytes is larger; 2: huge
 valid messages before and after Hello, 3: peers that never read their replies, 5: twelve
-loopback aliases over the per-host cap, reconnecting every 100 ms) against a real broker
+loopback aliases over the per-host cap, reconnecting every 100 ms; and of issue #36,
+whose connections each stay within their own allowance, so only the broker's budget for
+all of them together, broker.max_held_bytes, bounds them: 6, 240 connections before Hello
+each leaving a message of 23,000 empty parts unfinished; 7, three actors each leaving one
+of 11 M parts) against a real broker
 process on loopback (`BrokerServer.serve`), each measured by the broker's resident memory
 (before, its peak during the attack: VmHWM reset through /proc/PID/clear_refs, and after),
 its CPU seconds, its counters, and an honest actor in its own process asking for a lease
@@ -18,6 +22,7 @@ used to grow.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -54,6 +59,7 @@ from drmas.protocol.messages import (  # noqa: E402
     Welcome,
 )
 from tests.fixtures.router import Recorder  # noqa: E402
+from tests.fixtures.zmtp import EMPTY_PART, RawZmtp, frame  # noqa: E402
 
 
 class Frame:
@@ -273,38 +279,27 @@ def attack_many_parts(broker: Broker, parts: int) -> dict:
             "status_after": type(later).__name__ if later is not None else None}  # fmt: skip
 
 
-def zmtp_frame(data: bytes, more: bool = False, command: bool = False) -> bytes:
-    """One ZMTP 3 frame: flags (MORE 1, LONG 2, COMMAND 4), then its size, then `data`."""
-    flags = int(more) | (4 if command else 0)
-    if len(data) < 256:
-        return bytes([flags, len(data)]) + data
-    return bytes([flags | 2]) + len(data).to_bytes(8, "big") + data
+def raw_actor(broker: Broker, name: str) -> RawZmtp:
+    """A raw ZMTP client (tests/fixtures/zmtp.py: as fast as the wire, no pyzmq loop per
+    part) welcomed as an actor that holds no lease."""
+    raw = RawZmtp(broker.address)
+    raw.send(frame(encode(Hello("actor", name, PROTOCOL_VERSION, ["solver", "verifier"]))))
+    assert isinstance(decode_from_broker(raw.recv_frame()), Welcome)
+    return raw
 
 
 def attack_parts_as_actor(broker: Broker, parts: int) -> dict:
-    """1b: a raw ZMTP client (as fast as the wire, no pyzmq loop per part) says Hello as an
-    actor, holds no lease, and sends `parts` empty parts in one message: its allowance
-    of unread bytes is an actor's (drmas/broker/wire_watch.py)."""
-    host, port = broker.address.removeprefix("tcp://").rsplit(":", 1)
-    greeting = b"\xff" + bytes(7) + b"\x01\x7f\x03\x01" + b"NULL".ljust(20, b"\0") + bytes(32)
-    ready = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
-    ready += b"\x08Identity" + (11).to_bytes(4, "big") + b"parts-actor"
-    hello = encode(Hello("actor", "parts-actor", PROTOCOL_VERSION, ["solver", "verifier"]))
-    flood = b"\x01\x00" * parts + zmtp_frame(b"x")
-    conn = socket.create_connection((host, int(port)), timeout=30)
-    for step in (greeting[:10], greeting[10:]):  # libzmq reads on only once it answered
-        conn.sendall(step)
-        time.sleep(0.05)
-        conn.recv(256)
-    conn.sendall(zmtp_frame(ready, command=True) + zmtp_frame(hello))
-    time.sleep(1.0)  # the Welcome
+    """1b: an actor sends `parts` empty parts in one message: its allowance of unread
+    bytes is an actor's (drmas/broker/wire_watch.py)."""
+    raw = raw_actor(broker, "parts-actor")
+    flood = EMPTY_PART * parts + frame(b"x")
     start = time.monotonic()
     shut, got = False, b""
     try:
-        conn.sendall(flood)
-        conn.settimeout(60)
-        while b"too_many_parts" not in got:  # the Welcome, then the refusal if it is read
-            data = conn.recv(65536)
+        raw.send(flood)
+        raw.sock.settimeout(60)
+        while b"too_many_parts" not in got:  # the refusal if it is read
+            data = raw.sock.recv(65536)
             if not data:
                 shut = True
                 break
@@ -314,10 +309,42 @@ def attack_parts_as_actor(broker: Broker, parts: int) -> dict:
     except OSError:
         pass
     finally:
-        conn.close()
+        raw.close()
     return {"bytes_sent": len(flood), "connection_shut": shut,
             "refused_too_many_parts": b"too_many_parts" in got,
             "seconds": round(time.monotonic() - start, 2)}  # fmt: skip
+
+
+def hold_unfinished(raws: list[RawZmtp], parts: int, hold_s: float) -> dict:
+    """Each of `raws` sends `parts` empty parts of a message it never finishes, then holds
+    its connection `hold_s` (or until the broker shuts it); then all close."""
+    start = time.monotonic()
+    for raw in raws:
+        with contextlib.suppress(OSError):  # shut by the broker while it sent
+            raw.send(EMPTY_PART * parts)
+    sent_s = time.monotonic() - start
+    open_ = list(raws)
+    while open_ and time.monotonic() - start < hold_s:
+        open_ = [raw for raw in open_ if not raw.closed_by_peer(0)]
+        time.sleep(0.05)
+    for raw in raws:
+        raw.close()
+    return {"connections": len(raws), "parts_each": parts, "bytes_each": 2 * parts,
+            "seconds_to_send": round(sent_s, 2), "held_s": hold_s,
+            "shut_by_the_broker": len(raws) - len(open_)}  # fmt: skip
+
+
+def attack_many_connections(broker: Broker) -> dict:
+    """6: 240 connections before their Hello, each leaving 23,000 empty parts (46 KB, just
+    under a newcomer's 48 KiB allowance) unfinished for 10 s, then leaving."""
+    return hold_unfinished([RawZmtp(broker.address) for _ in range(240)], 23_000, 10.0)
+
+
+def attack_actors_many_parts(broker: Broker) -> dict:
+    """7: three actors, each leaving 11 M empty parts (22 MB, under an actor's allowance)
+    unfinished for 15 s, then leaving."""
+    raws = [raw_actor(broker, f"parts-actor-{i}") for i in range(3)]
+    return hold_unfinished(raws, 11_000_000, 15.0)
 
 
 def attack_huge_messages(broker: Broker, group_bytes: int) -> dict:
@@ -405,7 +432,11 @@ def run_attacks(parts: int, only: set[str] | None = None) -> dict:
              "1b_many_parts_after_hello_as_actor": lambda: attack_parts_as_actor(broker, parts),
              "2_huge_valid_messages": lambda: attack_huge_messages(broker, group_bytes),
              "3_peers_that_never_read": lambda: attack_non_readers(broker),
-             "5_loopback_aliases_and_reconnects": lambda: attack_loopback_aliases(broker)}  # fmt: skip
+             "5_loopback_aliases_and_reconnects": lambda: attack_loopback_aliases(broker),
+             "6_many_connections_each_within_its_allowance":
+                 lambda: attack_many_connections(broker),
+             "7_three_actors_each_within_its_allowance": lambda: attack_actors_many_parts(broker),
+             }  # fmt: skip
     if only:
         cases = {name: attack for name, attack in cases.items()
                  if name.split("_")[0].rstrip("b") in only}  # fmt: skip

@@ -25,7 +25,9 @@ part (64 bytes for an empty one) until then: the WireWatch created here
 (drmas/broker/wire_watch.py) shuts a connection that makes libzmq hold more than its
 `allowance` unread (`dropped/unread_flood`), crediting it with each message `read` takes
 from it. What such a message still costs is bounded by that allowance (about 1.5 MB
-before Hello) and the ~2 µs per part it costs to discard one that fits.
+before Hello) and the ~2 µs per part it costs to discard one that fits. All connections
+together are held to broker.max_held_bytes by the same watch: over it, `shed` shuts the
+largest holders (`dropped/memory_budget`, no ban), never a learner's.
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ from dataclasses import dataclass
 import zmq
 
 from drmas.broker.connections import ConnectionCap
-from drmas.broker.wire_watch import SLACK, WireWatch
+from drmas.broker.wire_watch import (
+    AMPLIFICATION,
+    AMPLIFICATION_CURVE,
+    SLACK,
+    Budget,
+    WireWatch,
+)
 
 _NOBLOCK = int(zmq.NOBLOCK)
 STRIKES = 8
@@ -67,6 +75,9 @@ class FrameLimits:
     control: int
     group: int
     bytes_per_s: int
+    held: int = 256 * 1024 * 1024
+    """broker.max_held_bytes: what all connections together may make libzmq hold unread."""
+    curve: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,7 +133,9 @@ class Intake:
         self.sock, self.limits, self.connections = sock, limits, connections
         self.counters, self.role_of, self.leases_of = counters, role_of, leases_of
         self.peers: dict[bytes, _Peer] = {}
-        self.watch = WireWatch(self.allowance, self.flood, _trim)
+        amplification = AMPLIFICATION_CURVE if limits.curve else AMPLIFICATION
+        budget = Budget(limits.held, amplification, self.is_learner, self.shed)
+        self.watch = WireWatch(self.allowance, self.flood, _trim, budget)
         connections.watch = self.watch
         self.banned: dict[bytes, tuple[float, float]] = {}  # identity -> (until, ban length)
         # told of each connection dropped (the broker lets its client's name go with it)
@@ -233,6 +246,18 @@ class Intake:
             self.drop(identity, "unread_flood")
         else:
             self.counters["dropped/unread_flood"] += 1
+        self.connections.shut(fd)
+
+    def is_learner(self, identity: bytes) -> bool:
+        return bool(identity) and self.role_of(identity) == "learner"
+
+    def shed(self, fd: int, identity: bytes) -> None:
+        """Shut connection `fd` to keep all connections within broker.max_held_bytes; its
+        client may reconnect at once (not banned: it was not over its own allowance)."""
+        self.counters["dropped/memory_budget"] += 1
+        if identity:
+            self.on_drop(identity)
+            self.peers.pop(identity, None)
         self.connections.shut(fd)
 
     def tick(self, now: float) -> None:

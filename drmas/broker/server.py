@@ -150,9 +150,8 @@ class BrokerServer:
         self._refusal_log = RateLimit(per_minute=10)
         self.ctx = zmq.Context()
         b = cfg.broker
-        frames = FrameLimits(
-            b.max_hello_bytes, b.max_control_bytes, group_bytes(cfg, limits), b.max_peer_bytes_per_s
-        )
+        frames = FrameLimits(b.max_hello_bytes, b.max_control_bytes, group_bytes(cfg, limits),
+                             b.max_peer_bytes_per_s, b.max_held_bytes, cfg.security.curve)  # fmt: skip
         self.sock, self.address = bind_router(self.ctx, b.address, frames.group, cfg.security)
         self.connections = ConnectionCap(
             self.sock, b.max_connections_per_host, b.max_connections, b.max_connections_per_key,

@@ -37,6 +37,23 @@ actor's key is trusted that far). On top, a flood grows for about SCAN_S + FOLLO
 before it is shut (libzmq assembled about 800 MB of empty parts a second on the 2-core
 machine of docs/results.md#hostile-clients).
 
+One budget for all connections together (`Budget`, broker.max_held_bytes): per-connection
+allowances alone let many connections add up (three actors each leaving an 11 M-part
+message unfinished made libzmq hold 2 GB). At each full scan the watch sums what every
+connection holds unread, times the worst case per byte sent (AMPLIFICATION: 32 without
+CURVE, where an empty part costs 2 bytes on the wire and 64 in libzmq; about 2 under
+CURVE, whose box adds 33 bytes to every part). When that sum is over the budget and the
+broker's memory also grew by more than the budget since the last scan within it (an
+honest large GroupResult counts 32 times over but is not held so), it shuts the
+connections holding the most, which held unread bytes at the previous full scan too with
+no message read from them since, until the sum is within the budget again; never a
+learner's. Counted `dropped/memory_budget`; their identities are not banned (an honest
+actor cut this way reconnects, and its group, never accepted, is handed out again).
+
+Memory goes back to the OS after any connection that held unread bytes is gone, not only
+after a shut one: 240 connections that each left 46 KB unread before their Hello kept
++348 MB in the broker after they left when only shut connections were followed by trims.
+
 Off, with one log line, where TCP_INFO is not available (not Linux); connections not over
 TCP (ipc://, inproc://) are never reported by ConnectionCap, so they are not watched.
 """
@@ -53,6 +70,7 @@ import struct
 import termios
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 log = logging.getLogger("drmas.broker")
 
@@ -80,6 +98,13 @@ gone when its engine stops, and frees the partial message only once the broker's
 has taken the pipe's end, which may be later (measured: a flood shut after its sender's
 Hello kept 525 MB in the broker's heap with one trim at once)."""
 TRIM_S = 0.25
+AMPLIFICATION = 32
+"""Bytes libzmq may hold per byte a connection sent and the broker has not read, at
+worst, without CURVE: an empty part is 2 bytes on the wire and a 64-byte message in
+libzmq."""
+AMPLIFICATION_CURVE = 2
+"""The same under CURVE: every part carries a 33-byte box, so an empty part sends 35
+bytes for the same 64 held."""
 _TCP_INFO = getattr(socket, "TCP_INFO", None)
 _BYTES_RECEIVED = 128
 """Offset of tcpi_bytes_received (u64) in Linux's struct tcp_info."""
@@ -102,8 +127,23 @@ _INFO = ctypes.create_string_buffer(256)
 _INFO_LEN = ctypes.c_uint32(256)
 
 
+@dataclass(frozen=True)
+class Budget:
+    """What all connections together may make libzmq hold (the module docstring):
+    `total` bytes, counted as unread bytes x `amplification`; `spared(identity)` says a
+    connection is never shut for it (a learner's); `shed(fd, identity)` shuts one."""
+
+    total: int
+    amplification: int
+    spared: Callable[[bytes], bool]
+    shed: Callable[[int, bytes], None]
+
+
 class _Conn:
-    __slots__ = ("credited", "identity", "messages", "over_at", "received", "scanned")
+    __slots__ = (
+        "credited", "held_at", "identity", "messages", "over_at", "received", "scanned",
+        "unread",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.credited = 0  # bytes of the messages read from it, with PART_OVERHEAD per part
@@ -112,6 +152,8 @@ class _Conn:
         self.over_at = -1  # `messages` when a scan last found it over its allowance
         self.scanned = 0  # `messages` at the last scan
         self.identity = b""
+        self.unread = 0  # bytes libzmq holds unread for it, at the last scan (at most)
+        self.held_at = -1  # `messages` at the last full scan if it held unread bytes then
 
 
 def bytes_received(fd: int) -> int:
@@ -143,8 +185,9 @@ class WireWatch:
         allowance: Callable[[bytes], int],
         flood: Callable[[int, bytes], None],
         trim: Callable[[], None],
+        budget: Budget | None = None,
     ) -> None:
-        self.allowance, self.flood, self.trim = allowance, flood, trim
+        self.allowance, self.flood, self.trim, self.budget = allowance, flood, trim, budget
         self.conns: dict[int, _Conn] = {}
         self.shut: set[int] = set()  # connections shut for a flood, until libzmq says gone
         self.floods = 0
@@ -159,6 +202,7 @@ class WireWatch:
             with contextlib.suppress(OSError):
                 self._statm = os.open("/proc/self/statm", os.O_RDONLY)
         self._rss = self._rss_now()  # at the last full scan
+        self._rss_within = self._rss  # at the last full scan that found the budget kept
         self._next_check = self._next_full = 0.0
         self._trims_left, self._next_trim = 0, 0.0
         self.suspects: set[int] = set()  # over their allowance at the last scan
@@ -175,9 +219,10 @@ class WireWatch:
             self.conns[fd] = _Conn()  # a reused descriptor starts afresh
 
     def gone(self, fd: int) -> None:
-        self.conns.pop(fd, None)
+        conn = self.conns.pop(fd, None)
         self.suspects.discard(fd)
-        if fd in self.shut:
+        held = conn is not None and conn.unread > SLACK
+        if fd in self.shut or held:
             self.shut.discard(fd)
             self._trims_left = TRIMS  # libzmq frees the partial message with the pipe
 
@@ -203,6 +248,7 @@ class WireWatch:
         if rss - self._rss >= RSS_TRIGGER or now >= self._next_full:
             started = time.perf_counter()
             self._scan(list(self.conns))
+            self._keep_budget(rss)
             self._rss = rss
             cost = time.perf_counter() - started
             self._next_full = now + max(FULL_S, cost / SCAN_SHARE)
@@ -238,6 +284,28 @@ class WireWatch:
                 )  # fmt: skip
             self.flood(fd, conn.identity)
 
+    def _keep_budget(self, rss: int) -> None:
+        """After a full scan: shut the largest holders while all connections together are
+        over the budget and memory grew past it (the module docstring)."""
+        if self.budget is None:
+            return
+        live = [(fd, c) for fd, c in self.conns.items() if fd not in self.shut]
+        held = self.budget.amplification * sum(c.unread for _, c in live)
+        if held <= self.budget.total:
+            self._rss_within = rss
+        elif rss - self._rss_within > self.budget.total:
+            holders = sorted(live, key=lambda item: item[1].unread, reverse=True)
+            for fd, conn in holders:
+                if held <= self.budget.total or conn.unread <= SLACK:
+                    break
+                if conn.held_at != conn.messages or self.budget.spared(conn.identity):
+                    continue  # not holding since the last scan, or a learner's
+                held -= self.budget.amplification * conn.unread
+                self.shut.add(fd)
+                self.budget.shed(fd, conn.identity)
+        for fd, conn in live:
+            conn.held_at = conn.messages if conn.unread > SLACK and fd not in self.shut else -1
+
     def _over(self, fd: int, conn: _Conn) -> bool:
         """True if `conn` is over its allowance now and was at the last scan, with no
         message read from it since."""
@@ -257,6 +325,7 @@ class WireWatch:
                 received -= bytes_queued(fd)  # not taken in by libzmq yet
             conn.credited = min(conn.credited, received)
             conn.scanned = conn.messages
+        conn.unread = max(0, received - conn.credited)
         if received - conn.credited <= allowance:
             conn.over_at = -1
             return False
