@@ -37,6 +37,7 @@ from drmas.protocol.messages import (
 )
 from drmas.transports.channel import bind_router
 from drmas.transports.ports import free_port
+from tests.fixtures.ranks import leave
 from tests.rendezvous import gloo_init
 
 pytestmark = pytest.mark.slow
@@ -136,6 +137,7 @@ def train_worker(rank: int, world_size: int, init: str, cfg, shard_list, out: st
         dist.barrier()  # tear the group down together (see grad_worker)
     finally:
         dist.destroy_process_group()
+    leave()  # only once it went through: an exception goes back to mp.spawn
 
 
 def run_world(world_size: int, cfg, shard_list, out: Path) -> dict:
@@ -325,6 +327,7 @@ def learner_worker(rank: int, port: int, cfg) -> None:
     from drmas.learners.main import Learner
 
     Learner(cfg, MODEL, rank, 2).run()
+    leave()
 
 
 def test_learner_process_trains_publishes_and_saves(tmp_path: Path) -> None:
@@ -415,6 +418,7 @@ def precision_worker(rank: int, init: str, cfgs, shard_list, out: str, steps: in
         torch.save(results, out)
     finally:
         dist.destroy_process_group()
+    leave()  # only once it went through: an exception goes back to mp.spawn
 
 
 @pytest.fixture(scope="module")
@@ -508,6 +512,7 @@ def grad_worker(rank: int, world_size: int, init: str, cfgs, shard_list, out: st
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    leave()  # only once it went through: an exception goes back to mp.spawn
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from drmas.protocol.messages import (
     WeightGroupPlan,
 )
 from drmas.transports.ports import free_port
+from tests.fixtures.ranks import leave
 from tests.integration.test_fsdp_learner import (
     MODEL,
     FakeBroker,
@@ -122,6 +123,7 @@ def lora_worker(rank: int, world_size: int, init: str, cfg, runs: dict, out: str
         dist.barrier()  # tear the group down together (test_fsdp_learner.grad_worker)
     finally:
         dist.destroy_process_group()
+    leave()  # only once it went through: an exception goes back to mp.spawn
 
 
 def run_world(world_size: int, cfg, out: Path) -> dict:
