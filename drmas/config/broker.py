@@ -86,7 +86,7 @@ class BrokerConfig:
     one is refused (`too_large`) before decoding."""
     max_hello_bytes: Positive = 16 * 1024
     """Largest frame before a Hello, and from an observer (a Hello or a StatusRequest)."""
-    max_held_bytes: Positive = 256 * 1024 * 1024
+    max_held_bytes: Positive = 64 * 1024 * 1024
     """What all connections together may make ZeroMQ hold for messages the broker has not
     read yet, counted at the worst case: 32 bytes per unread byte without CURVE, 2 with.
     Over it, while the broker's memory also grew past it, the connections holding the most

@@ -312,3 +312,49 @@ def test_a_digest_fed_by_the_stream_gives_the_same_trailer_without_hashing_again
     assert error is None and "error" not in out  # the trailer matched what arrived
     assert fed.hexdigest_of(["a.weight", "a.bias"]) == digest_of(state[:2])
     assert [n for n, _ in loaded] == ["a.weight", "a.bias"]
+
+
+def test_a_rendezvous_entry_a_store_client_wrote_is_never_used(sender) -> None:
+    """Before the member checks in, a store client writes rank 1's rendezvous entry (its own
+    gloo address) under the group's prefix: rank 0 ignores it (not signed with the token)
+    and connects to the member's own entry, which replaces it."""
+    client = dist.TCPStore("127.0.0.1", sender.store.port, is_master=False, wait_for_workers=False)
+    client.set("g8/0/1", b"\x00" * 40)  # what gloo's rendezvous of group g8 reads for rank 1
+    state = model()
+    thread, out = in_thread(lambda: sender.publish("g8", 2, state, 10.0, token="tok", version=1))
+    receiver = WeightReceiver()
+    loaded, error = receive(receiver, join(sender, "g8", "tok"), expected_of(state, "m"))
+    thread.join(30)
+    receiver.close()
+    assert error is None and "error" not in out and len(loaded) == 4
+
+
+def test_a_peer_in_the_group_without_the_token_cannot_kill_rank_0() -> None:
+    """Two ranks formed straight from the store (as a peer that raced a member into the
+    rendezvous would be): rank 1 answers the token challenge with a 1 MB all-gather, not
+    a proof. Gloo aborts a process that receives more than it posted, but rank 0 receives
+    nothing over the group: it waits for the proof in the store, finds none, and fails
+    the publish with WeightSyncError, alive (this test's process is rank 0)."""
+    s = WeightSender(WeightSyncConfig(host="127.0.0.1", timeout_s=3.0))
+    try:
+        store = dist.PrefixStore("g9", s.store)
+        rank0 = lambda: Group(Where("g9", 0, 2, 3.0, "rank 1"), store, "gloo", CPU)  # noqa: E731
+        t0, group0 = in_thread(rank0)
+        client = dist.TCPStore("127.0.0.1", s.store.port, is_master=False, wait_for_workers=False)
+        rogue = Group(Where("g9", 1, 2, 3.0, "rank 0"), dist.PrefixStore("g9", client), "gloo", CPU)
+        t0.join(30)
+
+        def answer_with_a_flood() -> None:
+            nonce = torch.zeros(16, dtype=torch.uint8)
+            rogue.broadcast(nonce, "token challenge")
+            big = torch.ones(1 << 20, dtype=torch.uint8)
+            rogue.pg.allgather([[torch.zeros_like(big), torch.zeros_like(big)]], [big])
+
+        t1, _ = in_thread(answer_with_a_flood)
+        with pytest.raises(WeightSyncError, match=r"rank\(s\) \[1\] did not prove"):
+            group0["result"].authenticate("tok")
+        t1.join(30)
+        group0["result"].close(ok=False)
+        rogue.close(ok=False)
+    finally:
+        s.close()

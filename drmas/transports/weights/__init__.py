@@ -2,6 +2,7 @@
 
     layout.py    the header and the bucket layout both sides derive from it
     group.py     the weight store, the process group (rendezvous, broadcasts, teardown)
+    membership.py  who may be in a group: roll call, signed rendezvous, token proofs
     sender.py    learner rank 0 publishes (WeightSender)
     receiver.py  actors load (WeightReceiver)
 

@@ -12,7 +12,10 @@ off the sync's path (`Retired`).
 Exposure: `listen` binds the store's socket on `weights.host` only (torch would otherwise
 listen on every interface); anyone who reaches it can read and write its keys, so
 weights.host should be an address only the actors reach. Reaching it is not enough to get
-weights: `Group.authenticate` has every rank prove the group's token before rank 0 sends.
+weights or a rank: with a token, every rendezvous entry is signed (`SignedStore`), and
+`Group.authenticate` has every rank prove the group's token, through the store, before
+rank 0 sends; rank 0 never receives over gloo (gloo aborts a process that receives more
+than it posted).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
-import hashlib
 import hmac
 import logging
 import secrets
@@ -37,9 +39,14 @@ from drmas.config.transport import WeightSyncConfig
 from drmas.transports.weights.layout import (
     DTYPES,
     NONCE_BYTES,
-    TOKEN_PROOF_BYTES,
     WeightSyncError,
     WeightSyncTimeout,
+)
+from drmas.transports.weights.membership import (
+    ROLL_POLL_S,
+    SignedStore,
+    proof_key,
+    token_proof,
 )
 
 log = logging.getLogger("drmas.weights")
@@ -89,9 +96,14 @@ class Where:
 class Group:
     """A process group built from a store for one publish; every wait is bounded."""
 
-    def __init__(self, where: Where, store: dist.Store, backend: str, device: torch.device) -> None:
+    def __init__(
+        self, where: Where, store: dist.Store, backend: str, device: torch.device, token: str = ""
+    ) -> None:
         self.where = where
         self.device = device
+        if token:  # every rendezvous entry signed: a store client cannot take a rank
+            store = SignedStore(store, token, where.group, where.timeout)
+        self.store = store  # the token proofs go through it (authenticate)
         with where.phase("rendezvous"):
             self.pg: Any = make_pg(
                 store, where.rank, where.world_size, backend, device, where.timeout
@@ -114,11 +126,15 @@ class Group:
         self.finish(self.start(tensor, what), what)
 
     def authenticate(self, token: str) -> None:
-        """Before any weights go out: rank 0 broadcasts a fresh nonce, every rank answers
-        with an HMAC of it under the group's token (handed out by the broker to the group's
-        members only), and rank 0 checks every answer. A peer that reached the store and
-        took a rank without the token is found here and the publish fails, sending nothing.
-        Fresh per publish, so a kept group proves itself again and no answer replays."""
+        """Before any weights go out: rank 0 broadcasts a fresh nonce over the group, every
+        rank writes an HMAC of it under the group's token (handed out by the broker to the
+        group's members only) to the store, and rank 0 checks every answer there. A peer
+        that took a rank's place in the group without the token gets the nonce but cannot
+        answer it, and the member it displaced never sees it: the publish fails, sending
+        nothing. The answers go through the store, not the group, because rank 0 must
+        never receive over gloo from a peer it has not verified: a message larger than the
+        receive it lands in makes gloo abort the whole process. Fresh per publish, so a kept
+        group proves itself again and no answer replays."""
         where = self.where
         nonce = torch.zeros(NONCE_BYTES, dtype=torch.uint8)
         if where.rank == 0:
@@ -126,30 +142,39 @@ class Group:
         nonce = nonce.to(self.device)
         self.broadcast(nonce, "token challenge")
         raw = nonce.cpu().numpy().tobytes()
-        mine = token_proof(token, where.group, where.rank, raw) if where.rank else b""
-        own = torch.frombuffer(bytearray(mine.ljust(TOKEN_PROOF_BYTES, b"\0")), dtype=torch.uint8)
-        proofs = [
-            torch.zeros(TOKEN_PROOF_BYTES, dtype=torch.uint8, device=self.device)
-            for _ in range(where.world_size)
-        ]
-        assert self.pg is not None
-        with where.phase("token proofs"):
-            self.pg.allgather([proofs], [own.to(self.device)]).wait(where.timeout)
         if where.rank != 0:
+            proof = token_proof(token, where.group, where.rank, raw).hex()
+            self.store.set(proof_key(where.rank), proof)
             return
-        bad = [
-            rank
-            for rank in range(1, where.world_size)
-            if not hmac.compare_digest(
-                proofs[rank].cpu().numpy().tobytes(), token_proof(token, where.group, rank, raw)
-            )
-        ]
+        with where.phase("token proofs"):
+            bad = self._check_proofs(token, raw)
         if bad:
             raise WeightSyncError(
                 f"weight group {where.group!r}: rank(s) {bad} did not prove the group's token: "
                 f"a peer that is not a member of the broker's plan took their place (peers: "
                 f"{where.peers}); no weights sent. Keep weights.host reachable by actors only"
             )
+
+    def _check_proofs(self, token: str, nonce: bytes) -> list[int]:
+        """Rank 0: the ranks whose answer to `nonce` in the store is still wrong after the
+        group's timeout (a wrong one may be a store client's, overwritten by the member's)."""
+        where = self.where
+        waiting = set(range(1, where.world_size))
+        deadline = time.monotonic() + where.timeout.total_seconds()
+        with contextlib.suppress(RuntimeError):  # DistStoreError: one never answered
+            self.store.wait([proof_key(rank) for rank in sorted(waiting)], where.timeout)
+        while waiting:
+            for rank in sorted(waiting):
+                if not self.store.check([proof_key(rank)]):
+                    continue
+                answer = bytes(self.store.get(proof_key(rank)))
+                expected = token_proof(token, where.group, rank, nonce).hex().encode()
+                if hmac.compare_digest(answer, expected):
+                    waiting.discard(rank)
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(ROLL_POLL_S)
+        return sorted(waiting)
 
     def close(self, ok: bool) -> None:
         """Tear the group down: shutdown when every peer is known to be doing the same, else
@@ -165,113 +190,6 @@ class Group:
                 pg.abort()
         except RuntimeError as exc:  # already broken: nothing left to release
             log.debug("closing weight group %s: %s", self.where.group, exc)
-
-
-def token_proof(token: str, group: str, rank: int, nonce: bytes) -> bytes:
-    """What rank `rank` answers to `nonce`: only a holder of the token can compute it."""
-    message = f"{group}|{rank}|".encode() + nonce
-    return hmac.new(token.encode(), message, hashlib.sha256).digest()
-
-
-# ------------------------------------------------------------------ the roll call
-# Before a publish forms (or reuses) its process group, every member checks in through the
-# store: rank 0 writes a fresh nonce, each member answers with an HMAC of it under the
-# group's token, and rank 0, after at most weights.join_timeout_s, writes the roster of the
-# ranks that answered correctly, signed with the token. Only they form the group, numbered
-# 1..n in rank order; a member left out (late, gone, or without the token) learns it from
-# the roster and loads nothing. So a member that never comes costs a publish the join
-# timeout, not the group's, and a store client without the token never enters the group.
-ROLL_POLL_S = 0.02
-
-
-def roll_key(version: int, what: str | int) -> str:
-    return f"roll/v{version}/{what}"
-
-
-def roll_proof(token: str, group: str, version: int, rank: int, nonce: str) -> str:
-    """What member `rank` writes to check in for `version`'s publish of `group` (hex)."""
-    message = f"roll|{group}|{version}|{rank}|{nonce}".encode()
-    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
-
-
-def roster_signature(token: str, group: str, version: int, roster: str, nonce: str) -> str:
-    message = f"roster|{group}|{version}|{roster}|{nonce}".encode()
-    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
-
-
-@dataclass
-class Roll:
-    """The outcome of a roll call: who checked in with the token, who did not in time,
-    who answered without it."""
-
-    present: list[int]
-    absent: list[int]
-    refused: list[int]
-
-
-def call_roll(
-    store: dist.Store, group: str, version: int, token: str, members: int, join_timeout_s: float
-) -> Roll:
-    """Rank 0's roll call over ranks 1..members (see above); writes the signed roster."""
-    nonce = secrets.token_hex(16)
-    store.set(roll_key(version, "nonce"), nonce)
-    deadline = time.monotonic() + join_timeout_s
-    waiting = set(range(1, members + 1))
-    answers: dict[int, bytes] = {}
-    while waiting:
-        for rank in sorted(waiting):
-            key = roll_key(version, rank)
-            if store.check([key]):
-                answers[rank] = bytes(store.get(key))
-                waiting.discard(rank)
-        if not waiting or time.monotonic() >= deadline:
-            break
-        time.sleep(ROLL_POLL_S)
-    present = [
-        rank
-        for rank, proof in sorted(answers.items())
-        if hmac.compare_digest(proof, roll_proof(token, group, version, rank, nonce).encode())
-    ]
-    roster = ",".join(map(str, present))
-    store.set(
-        roll_key(version, "roster"),
-        f"{roster}|{roster_signature(token, group, version, roster, nonce)}",
-    )
-    refused = sorted(set(answers) - set(present))
-    return Roll(present, sorted(waiting), refused)
-
-
-def answer_roll(
-    store: dist.Store, group: str, version: int, token: str, rank: int
-) -> tuple[int, int]:
-    """A member checks in for `version`'s publish and waits for the roster (each wait is the
-    store's timeout, the group's). Returns its (rank, world size) in the group that forms;
-    raises WeightSyncError when it was left out or the roster is not the token holder's."""
-    nonce = bytes(store.get(roll_key(version, "nonce"))).decode(errors="replace")
-    store.set(roll_key(version, rank), roll_proof(token, group, version, rank, nonce))
-    signed = bytes(store.get(roll_key(version, "roster")))
-    roster, _, signature = signed.decode(errors="replace").rpartition("|")
-    expected = roster_signature(token, group, version, roster, nonce)
-    if not hmac.compare_digest(signature.encode(), expected.encode()):
-        raise WeightSyncError(
-            f"weight group {group!r}: the roster of v{version}'s publish is not signed with "
-            "the group's token (a store client wrote it); loading nothing"
-        )
-    present = [int(r) for r in roster.split(",") if r]
-    if rank not in present:
-        raise WeightSyncError(
-            f"weight group {group!r}: left out of v{version}'s publish (not checked in within "
-            "weights.join_timeout_s of learner rank 0's roll call); the broker re-publishes "
-            "to this actor later"
-        )
-    return present.index(rank) + 1, len(present) + 1
-
-
-def roster_group(group: str, version: int, present: int, members: int) -> str:
-    """The name (store prefix) of the process group a roll call forms: the planned group's
-    when every member is present (kept for the next publish), else a one-off of this
-    version's roster."""
-    return group if present == members else f"{group}/v{version}-of-{present}"
 
 
 class Retired:

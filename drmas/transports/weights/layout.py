@@ -22,9 +22,8 @@ MAX_BUCKET_BYTES = 8 * 2**30
 allocates at most the bytes the header's tensors add up to, whatever it announces."""
 DIGEST_BYTES = 32
 """Length of the digest trailer (hex characters of drmas.transports.digest)."""
-TOKEN_PROOF_BYTES = 32
-"""Length of a member's proof that it holds the group's token (HMAC-SHA256)."""
 NONCE_BYTES = 16
+"""Length of rank 0's token challenge (group.py: Group.authenticate)."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

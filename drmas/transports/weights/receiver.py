@@ -9,7 +9,8 @@ the broker names the same group, store and rank; otherwise the old one is retire
 What arrives proves itself before the engine may serve it:
 - the join's token: this actor checks in at rank 0's roll call with it and takes its rank
   from the roster rank 0 signed with it (a member that was late is left out and loads
-  nothing: WeightSyncError), then answers rank 0's challenge in the group (group.py);
+  nothing: WeightSyncError), then answers rank 0's challenge, sent over the group,
+  through the store (membership.py);
 - the header: at most MAX_HEADER_BYTES, and, when the engine says what it holds
   (`Expected`), exactly its parameter set (or the adapters the publish carries) by name,
   shape and dtype, checked before the first bucket; buffers never exceed what the header's
@@ -38,9 +39,7 @@ from drmas.transports.weights.group import (
     Pipeline,
     Retired,
     Where,
-    answer_roll,
     resolve_backend,
-    roster_group,
     store_client,
 )
 from drmas.transports.weights.layout import (
@@ -56,6 +55,7 @@ from drmas.transports.weights.layout import (
     header_bytes,
     plan_buckets,
 )
+from drmas.transports.weights.membership import answer_roll, roster_group
 
 Expecting = Callable[[JoinWeightGroup], "Expected | None"]
 """What the engine serving a join's model holds (None: not known, not checked)."""
@@ -130,7 +130,8 @@ class WeightReceiver:
         if live is not None:
             self._retired.add(live[1])
             self._retired.release()
-        return Group(where, store or self._store(join, where), self.backend, self.device), key
+        store = store or self._store(join, where)
+        return Group(where, store, self.backend, self.device, join.token), key
 
     def _store(self, join: JoinWeightGroup, where: Where) -> Any:
         """A connection to rank 0's store, namespaced by the group's name, whose backend

@@ -10,7 +10,7 @@ The group of a publish is kept for the next one while its name stays the same (t
 names a group after its membership); a new name retires the old group, and a failed
 publish aborts its group at once, so the next one forms a fresh group.
 
-With the broker's token, a publish starts with a roll call through the store (group.py):
+With the broker's token, a publish starts with a roll call through the store (membership.py):
 only the members that check in with the token within weights.join_timeout_s receive it;
 the others are left out (`PublishStats.left_out`, reported to the broker) and the group is
 formed for the roster alone, once.
@@ -36,11 +36,8 @@ from drmas.transports.weights.group import (
     Retired,
     Where,
     advertised_host,
-    call_roll,
     listen,
     resolve_backend,
-    roll_key,
-    roster_group,
 )
 from drmas.transports.weights.layout import (
     DIGEST_BYTES,
@@ -53,6 +50,7 @@ from drmas.transports.weights.layout import (
     plan_buckets,
     spec_of,
 )
+from drmas.transports.weights.membership import call_roll, roll_key, roster_group
 
 log = logging.getLogger("drmas.weights")
 
@@ -109,7 +107,7 @@ class WeightSender:
             self._live = None
         self._retired.release()
 
-    def _group(self, name: str, where: Where) -> tuple[Group, bool]:
+    def _group(self, name: str, where: Where, token: str) -> tuple[Group, bool]:
         """The group kept from the previous publish when `name` is its name; else a new one
         (the kept one is retired)."""
         if self._live is not None and self._live[0] == name:
@@ -123,7 +121,7 @@ class WeightSender:
             self._retired.release()  # before the new rendezvous: at most one group at a time
         store = dist.PrefixStore(name, self.store)
         store.set("backend", self.backend)
-        return Group(where, store, self.backend, self.device), False
+        return Group(where, store, self.backend, self.device, token), False
 
     def publish(
         self,
@@ -163,7 +161,7 @@ class WeightSender:
         )
         if world_size == 1:  # nobody checked in
             return PublishStats(time.monotonic() - start, 0, 0, False, left_out)
-        group, reused = self._group(name, Where(name, 0, world_size, timeout_s, who))
+        group, reused = self._group(name, Where(name, 0, world_size, timeout_s, who), token)
         try:
             if token:
                 group.authenticate(token)
@@ -201,7 +199,7 @@ class WeightSender:
     def _roll_call(
         self, group_name: str, version: int, token: str, members: int, peers: Sequence[str]
     ) -> tuple[list[int], list[int]]:
-        """(present ranks, left-out ranks) of this publish's roll call (group.py); the keys
+        """(present ranks, left-out ranks) of this publish's roll call (membership.py); the keys
         of the previous roll call are deleted (its members have read them by now)."""
         if self._roll is not None:
             old_store, keys = self._roll

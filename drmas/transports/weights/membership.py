@@ -1,0 +1,190 @@
+"""Who may be in a weight group: the roll call through the store that picks the members
+of a publish, the signed rendezvous entries that keep anyone else from taking a rank, and
+the token proofs. Used by learner rank 0 (sender.py: `call_roll`) and the actors
+(receiver.py: `answer_roll`), and by `Group` (group.py) for the rendezvous and the proofs.
+Every HMAC here is keyed by the group's token, which the broker hands to the members of its
+plan only; nothing here ever puts the token in the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from drmas.transports.weights.layout import WeightSyncError
+
+
+class SignedStore(dist.Store):
+    """The store as the process group's rendezvous sees it, with every value signed under
+    the group's token (HMAC of group, key and value, appended). torch.distributed's
+    rendezvous has each rank write its address under its rank's key and connect to the
+    addresses it reads there; a store client could write a rank's key first (or over
+    it) and so take that rank, and then crash the ranks it exchanges data with (gloo
+    aborts a process that receives a message of the wrong size). Here an entry without
+    the signature is never used: `get` waits until the key holds a signed value (a
+    member's write replaces the client's), up to the group's timeout, and then fails the
+    rendezvous with WeightSyncError. The publish fails; no rank does."""
+
+    def __init__(self, inner: dist.Store, token: str, group: str, timeout: timedelta) -> None:
+        super().__init__()
+        self.inner, self.group, self.timeout_ = inner, group, timeout
+        self._key = token.encode()
+
+    def _signature(self, key: str, value: bytes) -> bytes:
+        message = f"{self.group}|{key}|".encode() + value
+        return hmac.new(self._key, message, hashlib.sha256).digest()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self.inner.set(key, data + self._signature(key, data))  # type: ignore[arg-type]  # takes bytes
+
+    def get(self, key: str) -> bytes:
+        deadline = time.monotonic() + self.timeout_.total_seconds()
+        while True:
+            raw = bytes(self.inner.get(key))  # waits for the key, up to the store's timeout
+            value, signature = raw[:-32], raw[-32:]
+            if len(raw) >= 32 and hmac.compare_digest(signature, self._signature(key, value)):
+                return value
+            if time.monotonic() >= deadline:
+                raise WeightSyncError(
+                    f"weight group {self.group!r}: rendezvous entry {key!r} is not "
+                    "signed with the group's token (a store client wrote it) after "
+                    f"{self.timeout_.total_seconds():.0f}s; no weights sent. Keep "
+                    "weights.host reachable by actors only"
+                )
+            time.sleep(ROLL_POLL_S)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.inner.add(key, amount))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self.inner.check(keys))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self.inner.wait(keys, timeout or self.timeout_)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.inner.delete_key(key))
+
+    def num_keys(self) -> int:
+        return int(self.inner.num_keys())
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.inner.set_timeout(timeout)
+
+
+def proof_key(rank: int) -> str:
+    return f"proof/{rank}"
+
+
+def token_proof(token: str, group: str, rank: int, nonce: bytes) -> bytes:
+    """What rank `rank` answers to `nonce`: only a holder of the token can compute it."""
+    message = f"{group}|{rank}|".encode() + nonce
+    return hmac.new(token.encode(), message, hashlib.sha256).digest()
+
+
+# ------------------------------------------------------------------ the roll call
+# Before a publish forms (or reuses) its process group, every member checks in through the
+# store: rank 0 writes a fresh nonce, each member answers with an HMAC of it under the
+# group's token, and rank 0, after at most weights.join_timeout_s, writes the roster of the
+# ranks that answered correctly, signed with the token. Only they form the group, numbered
+# 1..n in rank order; a member left out (late, gone, or without the token) learns it from
+# the roster and loads nothing. So a member that never comes costs a publish the join
+# timeout, not the group's, and a store client without the token never enters the group.
+ROLL_POLL_S = 0.02
+
+
+def roll_key(version: int, what: str | int) -> str:
+    return f"roll/v{version}/{what}"
+
+
+def roll_proof(token: str, group: str, version: int, rank: int, nonce: str) -> str:
+    """What member `rank` writes to check in for `version`'s publish of `group` (hex)."""
+    message = f"roll|{group}|{version}|{rank}|{nonce}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def roster_signature(token: str, group: str, version: int, roster: str, nonce: str) -> str:
+    message = f"roster|{group}|{version}|{roster}|{nonce}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+@dataclass
+class Roll:
+    """The outcome of a roll call: who checked in with the token, who did not in time,
+    who answered without it."""
+
+    present: list[int]
+    absent: list[int]
+    refused: list[int]
+
+
+def call_roll(
+    store: dist.Store, group: str, version: int, token: str, members: int, join_timeout_s: float
+) -> Roll:
+    """Rank 0's roll call over ranks 1..members (see above); writes the signed roster."""
+    nonce = secrets.token_hex(16)
+    store.set(roll_key(version, "nonce"), nonce)
+    deadline = time.monotonic() + join_timeout_s
+    waiting = set(range(1, members + 1))
+    answers: dict[int, bytes] = {}
+    while waiting:
+        for rank in sorted(waiting):
+            key = roll_key(version, rank)
+            if store.check([key]):
+                answers[rank] = bytes(store.get(key))
+                waiting.discard(rank)
+        if not waiting or time.monotonic() >= deadline:
+            break
+        time.sleep(ROLL_POLL_S)
+    present = [
+        rank
+        for rank, proof in sorted(answers.items())
+        if hmac.compare_digest(proof, roll_proof(token, group, version, rank, nonce).encode())
+    ]
+    roster = ",".join(map(str, present))
+    store.set(
+        roll_key(version, "roster"),
+        f"{roster}|{roster_signature(token, group, version, roster, nonce)}",
+    )
+    refused = sorted(set(answers) - set(present))
+    return Roll(present, sorted(waiting), refused)
+
+
+def answer_roll(
+    store: dist.Store, group: str, version: int, token: str, rank: int
+) -> tuple[int, int]:
+    """A member checks in for `version`'s publish and waits for the roster (each wait is the
+    store's timeout, the group's). Returns its (rank, world size) in the group that forms;
+    raises WeightSyncError when it was left out or the roster is not the token holder's."""
+    nonce = bytes(store.get(roll_key(version, "nonce"))).decode(errors="replace")
+    store.set(roll_key(version, rank), roll_proof(token, group, version, rank, nonce))
+    signed = bytes(store.get(roll_key(version, "roster")))
+    roster, _, signature = signed.decode(errors="replace").rpartition("|")
+    expected = roster_signature(token, group, version, roster, nonce)
+    if not hmac.compare_digest(signature.encode(), expected.encode()):
+        raise WeightSyncError(
+            f"weight group {group!r}: the roster of v{version}'s publish is not signed with "
+            "the group's token (a store client wrote it); loading nothing"
+        )
+    present = [int(r) for r in roster.split(",") if r]
+    if rank not in present:
+        raise WeightSyncError(
+            f"weight group {group!r}: left out of v{version}'s publish (not checked in within "
+            "weights.join_timeout_s of learner rank 0's roll call); the broker re-publishes "
+            "to this actor later"
+        )
+    return present.index(rank) + 1, len(present) + 1
+
+
+def roster_group(group: str, version: int, present: int, members: int) -> str:
+    """The name (store prefix) of the process group a roll call forms: the planned group's
+    when every member is present (kept for the next publish), else a one-off of this
+    version's roster."""
+    return group if present == members else f"{group}/v{version}-of-{present}"
