@@ -13,7 +13,16 @@ share one cap; an IPv4-mapped IPv6 address is its IPv4 host. Connections not ove
 With CURVE the key of a connection is known from its first message (its ZAP User-Id):
 the broker's intake (drmas/broker/intake.py) asks `admit_key` for each new connection
 and drops the ones beyond `max_per_key` (OBSERVER_KEY_CONNECTIONS for a key that may only
-observe). `shut` is how the intake drops a peer. Each TCP connection it admits, and each
+observe). `shut` is how the intake drops a peer.
+
+Connections whose messages never named a registered client (before their Hello, or an
+observer's) are capped too, `max_unwelcomed`: each can make libzmq hold about 1.5 MB of a
+message the broker cannot read yet (wire_watch.py), and 240 of them held 348 MB at once.
+At the cap a new connection closes the oldest such one of the host that holds the most of
+them (`dropped/unwelcomed_cap`): at once if that is another host, else if it has been open
+for over UNWELCOMED_GRACE_S (an honest client says Hello within milliseconds of
+connecting); otherwise the newcomer is closed (`refused/unwelcomed_cap`; a ZeroMQ client
+reconnects after its reconnect interval). Each TCP connection it admits, and each
 one gone, it also reports to the intake's WireWatch (drmas/broker/wire_watch.py), which
 bounds the bytes libzmq holds for a connection before the broker can read them.
 """
@@ -26,6 +35,8 @@ import ipaddress
 import logging
 import os
 import socket
+import time
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -35,6 +46,9 @@ from drmas.broker.wire_watch import WireWatch
 log = logging.getLogger("drmas.broker")
 
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+UNWELCOMED_GRACE_S = 1.0
+"""How long a connection may stay without a Hello before a newcomer over the cap may take
+its place."""
 OBSERVER_KEY_CONNECTIONS = 8
 """Connections a CURVE key that may neither act nor learn (an observer's) may hold."""
 
@@ -59,8 +73,17 @@ class ConnectionCap:
         max_total: int = 1 << 30,
         max_per_key: int = 1 << 30,
         key_roles: dict[str, frozenset[str]] | None = None,
+        max_unwelcomed: int = 1 << 30,
     ) -> None:
         self.max_per_host, self.max_total, self.max_per_key = max_per_host, max_total, max_per_key
+        self.max_unwelcomed = max_unwelcomed
+        self.opened_at: dict[int, float] = {}  # fd -> when it was accepted (monotonic)
+        self.evicted: set[int] = set()  # shut for a newcomer, until libzmq reports it gone
+        # set by the intake: whether a connection's messages named a registered client, and
+        # the broker's counters
+        self.welcomed: Callable[[int], bool] = lambda _fd: False
+        self.on_gone: Callable[[int], None] = lambda _fd: None
+        self.counters: collections.Counter[str] = collections.Counter()
         self.key_roles = key_roles  # None: no CURVE, no key to count
         self.monitor = router.get_monitor_socket(_EVENTS)
         self.open: dict[int, str] = {}  # fd -> peer host
@@ -83,6 +106,9 @@ class ConnectionCap:
     def _gone(self, fd: int) -> None:
         if self.watch is not None:
             self.watch.gone(fd)
+        self.on_gone(fd)
+        self.opened_at.pop(fd, None)
+        self.evicted.discard(fd)
         host = self.open.pop(fd, None)
         if host is not None:
             self.per_host[host] -= 1
@@ -118,10 +144,37 @@ class ConnectionCap:
                 with contextlib.suppress(OSError):
                     dup.shutdown(socket.SHUT_RDWR)
                 return
+        if not self._room_for_unwelcomed(fd, host):
+            return
         self.open[fd] = host
+        self.opened_at[fd] = time.monotonic()
         self.per_host[host] += 1
         if self.watch is not None:
             self.watch.accepted(fd)
+
+    def _room_for_unwelcomed(self, fd: int, host: str) -> bool:
+        """At max_unwelcomed connections without a registered client, make room or refuse
+        `fd` (False): the host holding the most of them loses its oldest, at once when the
+        newcomer is another host's (one host cannot keep the others out), else only if it
+        has been open for over UNWELCOMED_GRACE_S."""
+        unwelcomed = [f for f in self.open if f not in self.evicted and not self.welcomed(f)]
+        if len(unwelcomed) < self.max_unwelcomed:
+            return True
+        per_host = collections.Counter(self.open[f] for f in unwelcomed)
+        hog = max(per_host, key=lambda h: (per_host[h], h == host))
+        oldest = min(
+            (f for f in unwelcomed if self.open[f] == hog), key=lambda f: self.opened_at[f]
+        )
+        age = time.monotonic() - self.opened_at[oldest]
+        if hog != host or age > UNWELCOMED_GRACE_S:
+            self.counters["dropped/unwelcomed_cap"] += 1
+            self.shut(oldest)
+            self.evicted.add(oldest)  # shut once; it leaves `open` when it is gone
+            return True
+        self.counters["refused/unwelcomed_cap"] += 1
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as dup:
+            dup.shutdown(socket.SHUT_RDWR)
+        return False
 
     def admit_key(self, fd: int, frame: zmq.Frame) -> bool:
         """A message arrived on connection `fd`: False if its CURVE key holds too many

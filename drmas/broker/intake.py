@@ -137,6 +137,10 @@ class Intake:
         budget = Budget(limits.held, amplification, self.is_learner, self.shed)
         self.watch = WireWatch(self.allowance, self.flood, _trim, budget)
         connections.watch = self.watch
+        connections.counters = counters
+        connections.welcomed = self._welcomed
+        connections.on_gone = self._gone
+        self.identity_at: dict[int, bytes] = {}  # connection (fd) -> identity its messages named
         self.banned: dict[bytes, tuple[float, float]] = {}  # identity -> (until, ban length)
         # told of each connection dropped (the broker lets its client's name go with it)
         self.on_drop: Callable[[bytes], None] = lambda _identity: None
@@ -248,6 +252,14 @@ class Intake:
             self.counters["dropped/unread_flood"] += 1
         self.connections.shut(fd)
 
+    def _gone(self, fd: int) -> None:
+        self.identity_at.pop(fd, None)
+
+    def _welcomed(self, fd: int) -> bool:
+        """Whether connection `fd`'s messages named a registered client."""
+        identity = self.identity_at.get(fd)
+        return identity is not None and self.role_of(identity) is not None
+
     def is_learner(self, identity: bytes) -> bool:
         return bool(identity) and self.role_of(identity) == "learner"
 
@@ -278,6 +290,7 @@ class Intake:
             peer = self.peers[identity] = _Peer(now, start)
         if fd != peer.fd:
             peer.fd = fd
+            self.identity_at[fd] = identity
             if not self.connections.admit_key(fd, head):
                 self.drop(identity, "key_cap")
         return peer

@@ -155,7 +155,7 @@ class BrokerServer:
         self.sock, self.address = bind_router(self.ctx, b.address, frames.group, cfg.security)
         self.connections = ConnectionCap(
             self.sock, b.max_connections_per_host, b.max_connections, b.max_connections_per_key,
-            self.key_roles,
+            self.key_roles, b.max_unwelcomed_connections,
         )  # fmt: skip
         # which client each connection speaks for: bound at its Hello, never chosen by it
         self.routes = Routes(stale_s=ROUTE_STALE_BEATS * b.heartbeat_interval_s)

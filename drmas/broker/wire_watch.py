@@ -206,13 +206,14 @@ class WireWatch:
         self._next_check = self._next_full = 0.0
         self._trims_left, self._next_trim = 0, 0.0
         self.suspects: set[int] = set()  # over their allowance at the last scan
+        self._over_budget = False  # all connections together were at the last full scan
 
     @property
     def poll_ms(self) -> int:
         """How long the broker loop may wait for a message before the next `check`."""
         if not self.conns:
             return 100
-        return max(1, round(1000 * (FOLLOW_S if self.suspects else SCAN_S)))
+        return max(1, round(1000 * (FOLLOW_S if self.suspects or self._over_budget else SCAN_S)))
 
     def accepted(self, fd: int) -> None:
         if self.enabled:
@@ -248,14 +249,15 @@ class WireWatch:
         if rss - self._rss >= RSS_TRIGGER or now >= self._next_full:
             started = time.perf_counter()
             self._scan(list(self.conns))
-            self._keep_budget(rss)
+            self._over_budget = self._keep_budget(rss)
             self._rss = rss
             cost = time.perf_counter() - started
-            self._next_full = now + max(FULL_S, cost / SCAN_SHARE)
+            soon = FOLLOW_S if self._over_budget else FULL_S  # a flood grows FOLLOW_S more
+            self._next_full = now + max(soon, cost / SCAN_SHARE)
         elif self.suspects:
             self._scan(list(self.suspects))
         # after the scan: a connection it found over its allowance is looked at again soon
-        self._next_check = now + (FOLLOW_S if self.suspects else SCAN_S)
+        self._next_check = now + (FOLLOW_S if self.suspects or self._over_budget else SCAN_S)
 
     def close(self) -> None:
         if self._statm >= 0:
@@ -284,11 +286,12 @@ class WireWatch:
                 )  # fmt: skip
             self.flood(fd, conn.identity)
 
-    def _keep_budget(self, rss: int) -> None:
+    def _keep_budget(self, rss: int) -> bool:
         """After a full scan: shut the largest holders while all connections together are
-        over the budget and memory grew past it (the module docstring)."""
+        over the budget and memory grew past it (the module docstring). True if they were
+        over it (the next full scan comes FOLLOW_S later)."""
         if self.budget is None:
-            return
+            return False
         live = [(fd, c) for fd, c in self.conns.items() if fd not in self.shut]
         held = self.budget.amplification * sum(c.unread for _, c in live)
         if held <= self.budget.total:
@@ -305,6 +308,7 @@ class WireWatch:
                 self.budget.shed(fd, conn.identity)
         for fd, conn in live:
             conn.held_at = conn.messages if conn.unread > SLACK and fd not in self.shut else -1
+        return held > self.budget.total
 
     def _over(self, fd: int, conn: _Conn) -> bool:
         """True if `conn` is over its allowance now and was at the last scan, with no

@@ -74,6 +74,10 @@ class BrokerConfig:
     (127.0.0.0/8, ::1) is one host."""
     max_connections: Positive = 4096
     """Open connections in all, whatever their hosts; more are closed as they arrive."""
+    max_unwelcomed_connections: Positive = 64
+    """Open connections that have not said Hello (and observers) at once: each may make
+    ZeroMQ hold about 1.5 MB before its Hello. Beyond it a new connection closes the
+    oldest of them silent for over a second, or is closed itself (its client reconnects)."""
     max_connections_per_key: Positive = 1024
     """With CURVE: connections one client key may hold (all actors may share one key);
     a key that may only observe holds at most 8."""

@@ -6,16 +6,17 @@ while an honest peer is still answered."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import zmq
 
+import drmas.broker.connections as cn
 import drmas.broker.wire_watch as ww
 from drmas.broker.server import BrokerServer
 from drmas.broker.wire_watch import PART_OVERHEAD, SLACK, Budget, WireWatch
-from drmas.protocol.messages import StatusReply, StatusRequest
+from drmas.protocol.messages import StatusReply, StatusRequest, Welcome
 from tests.fixtures.broker_server import broker_server
 from tests.fixtures.zmtp import EMPTY_PART, RawZmtp
 from tests.unit.test_broker_gate import Peer
@@ -364,3 +365,42 @@ def test_many_connections_within_their_allowances_are_held_to_the_broker_budget(
         pump(server, time.monotonic() + 2 * ww.TRIM_S)
         assert len(watch.conns) == 1 and trims, "no heap trim after the holders left"
         ops.close()
+
+
+def test_connections_without_a_hello_are_capped_and_the_oldest_make_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """broker.max_unwelcomed_connections=4. A welcomed actor does not count. Four raw
+    connections that never say Hello fill the cap; a fifth from the same host, while
+    they are younger than the grace, is closed itself (`refused/unwelcomed_cap`); once
+    the grace has passed, a newcomer closes the oldest of them (`dropped/unwelcomed_cap`)
+    and the actor is still served. (The grace is set, not waited for: 1e9 s, then 0.)"""
+    monkeypatch.setattr(cn, "UNWELCOMED_GRACE_S", 1e9)
+    with broker_server(tmp_path, "broker.max_unwelcomed_connections=4") as server:
+        counters = server.state.counters
+
+        def until(done: Callable[[], bool]) -> None:
+            deadline = time.monotonic() + 30
+            while not done() and time.monotonic() < deadline:
+                pump(server, time.monotonic() + 0.02)
+            assert done()
+
+        actor = Peer(server, "actor-0")
+        assert isinstance(actor.hello("actor", ["solver", "verifier"]), Welcome)
+        squatters = []
+        for n in range(4):
+            squatters.append(RawZmtp(server.address))
+            until(lambda n=n: len(server.connections.open) == n + 2)  # in order of age
+        late = RawZmtp(server.address)
+        until(lambda: counters["refused/unwelcomed_cap"] == 1)
+        assert late.closed_by_peer(10.0)
+        assert not any(raw.closed_by_peer(0) for raw in squatters)
+        monkeypatch.setattr(cn, "UNWELCOMED_GRACE_S", 0.0)
+        newcomer = RawZmtp(server.address)
+        until(lambda: counters["dropped/unwelcomed_cap"] == 1)
+        assert squatters[0].closed_by_peer(10.0)
+        assert not any(raw.closed_by_peer(0) for raw in [*squatters[1:], newcomer])
+        assert isinstance(actor.ask(StatusRequest()), StatusReply)
+        for raw in [*squatters, late, newcomer]:
+            raw.close()
+        actor.close()
