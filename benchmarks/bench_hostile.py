@@ -28,6 +28,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -295,7 +296,12 @@ def attack_parts_as_actor(broker: Broker, parts: int) -> dict:
     start = time.monotonic()
     shut, got = False, b""
     try:
-        raw.send(flood)
+        raw.sock.settimeout(10)
+        try:
+            raw.send(flood)
+        except OSError:  # shut while it sent: the broker takes no more bytes
+            shut = True
+            raise
         raw.sock.settimeout(60)
         while b"too_many_parts" not in got:  # the refusal if it is read
             data = raw.sock.recv(65536)
@@ -519,8 +525,14 @@ def main() -> int:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=open("/dev/null", "w"))  # noqa: SIM115
     only = {n.strip() for n in args.only.split(",") if n.strip()}
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *argv], capture_output=True,
+                              text=True).stdout.strip()  # fmt: skip
+
     out = {"command": f"python benchmarks/bench_hostile.py --parts {args.parts}"
                       + (f" --only {args.only}" if only else ""),
+           "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
            "attacks": run_attacks(args.parts, only)}  # fmt: skip
     if not only:
         out["handle"] = handle_cases()
