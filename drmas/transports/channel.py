@@ -256,12 +256,14 @@ class BrokerClient:
                 return reply
 
     def _closed_on(self, message: object, closes: int) -> BrokerRefused:
-        failed = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}
+        # a mechanism mismatch (CURVE on one side only) fails the handshake with a protocol
+        # error; a connection the broker shuts at once (its caps) may fail it with no
+        # detail, which says nothing about CURVE
         why = (
             "refused this client's CURVE key (security.keys_dir, security.client_name)"
             if zmq.EVENT_HANDSHAKE_FAILED_AUTH in self._events
             else "failed the handshake (is security.curve the same here as the broker's?)"
-            if failed & set(self._events)
+            if zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL in self._events
             else "is at a connection cap (broker.max_connections_per_host, "
             "broker.max_connections, or the CURVE key's); close other connections from "
             "this host or raise the cap"

@@ -335,6 +335,10 @@ def test_many_connections_within_their_allowances_are_held_to_the_broker_budget(
         raws = [RawZmtp(server.address) for _ in range(40)]
         for raw in raws:
             raw.send(EMPTY_PART * 23_000)
+        # The broker's memory counts as grown past the budget (the rule is tested on fake
+        # numbers above): in a test process whose heap has room from earlier tests,
+        # libzmq's parts may not raise its resident size at all (seen in CI's unit stage).
+        watch._rss_within = 0
 
         def held() -> int:
             live = [c for fd, c in watch.conns.items() if fd not in watch.shut]
