@@ -181,14 +181,22 @@ def test_update_during_generation_loses_nothing(
     before = engine.version
 
     async def scenario() -> tuple[list[GenerateResult], list[bool], list[GenerateResult]]:
+        learner.step()  # before: nothing but the pause between the count and the update
+        # Three times the engine's batch: the publish comes once every request is inside
+        # vLLM (an event, not a guessed moment), and what counts as in flight is what had
+        # not finished when generation paused for the update. These random-weight samples
+        # meet EOS within ~100 tokens, so on a fast (or a loaded) machine many running ones
+        # end first; the 32 waiting for a slot cannot.
         first = [
             asyncio.create_task(engine.generate(GenerateRequest(prompt, 1.0, 1.0, max_new)))
-            for _ in range(16)
+            for _ in range(3 * engine.cfg.max_batch)
         ]
-        await asyncio.sleep(0.3)  # prefilled, decoding
-        in_flight = [not t.done() for t in first]
-        learner.step()
-        await learner.publish_async(engine)
+        while engine.requests_running + sum(t.done() for t in first) < len(first):
+            await asyncio.sleep(0.001)
+        in_flight: list[bool] = []
+        await learner.publish_async(
+            engine, on_pause=lambda: in_flight.extend(not t.done() for t in first)
+        )
         second = [
             asyncio.create_task(engine.generate(GenerateRequest(prompt, 1.0, 1.0, max_new)))
             for _ in range(4)

@@ -217,9 +217,10 @@ def test_request_running_across_a_publish_finishes_on_its_adapter(
     engine: VLLMEngine, peft_model: Any
 ) -> None:
     """keep mode: a request that started on a version ends on it; its LoRARequest is
-    removed from vLLM (and its folder deleted) only once that request ended. Eight requests
-    (the engine's batch), so that some are still running when the update comes: a sample
-    from these random weights can meet EOS within a few tokens on a fast machine."""
+    removed from vLLM (and its folder deleted) only once that request ended. Three times
+    the engine's batch of requests, so that some are still running when the update comes
+    (a sample from these random weights can meet EOS within a few tokens on a fast or a
+    loaded machine; the ones waiting for a slot cannot)."""
     learner = Learner(peft_model)
     learner.version = engine.version
     prompt = engine.tokenizer.encode(PROMPT)
@@ -233,7 +234,7 @@ def test_request_running_across_a_publish_finishes_on_its_adapter(
             asyncio.create_task(
                 engine.generate(GenerateRequest(prompt, 1.0, 1.0, 240, adapter="solver"))
             )
-            for _ in range(8)
+            for _ in range(3 * engine.cfg.max_batch)
         ]
         # until each has ended or runs on the current solver adapter (an event)
         while slots.users[old.lora_int_id] + sum(t.done() for t in longs) < len(longs):
