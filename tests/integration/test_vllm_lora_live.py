@@ -42,8 +42,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ADAPTERS = ["solver", "verifier"]
 LORA = LoraConfig(rank=4, alpha=8.0)
 """rank 4: vLLM has no rank-4 slot, so the engine asks for its next one (8)."""
-ATOL = 1e-4
-"""|vLLM log-prob - peft log-prob| per token, float32."""
+ATOL = 1e-3
+"""|vLLM log-prob - peft log-prob| per token, float32. Measured: up to 5e-5 over 48 requests
+of up to 240 tokens on adapters a few steps trained (and 1.03e-4 once in a loaded CI run,
+batching differently), while the same tokens scored on the adapter one step later differ
+by 0.41 or more: `far_from_peft` checks that gap, so the tolerance cannot hide a wrong
+version."""
 PROMPT = "12+7=19;3+4="
 
 
@@ -169,6 +173,13 @@ def check_equal_to_peft(engine: VLLMEngine, model: Any, results: dict[str, Gener
         assert diff <= ATOL, (adapter, result.logprobs, expected)
 
 
+def far_from_peft(engine: VLLMEngine, model: Any, adapter: str, result: GenerateResult) -> bool:
+    """Whether the tokens scored by `model`'s `adapter` differ from what vLLM reported by
+    more than ten times ATOL somewhere: the check above tells versions apart."""
+    expected = peft_logprobs(model, adapter, engine.tokenizer.encode(PROMPT), result.token_ids)
+    return max(abs(a - b) for a, b in zip(result.logprobs, expected)) > 10 * ATOL
+
+
 def test_vllm_lora_ranks_are_the_installed_vllms() -> None:
     from vllm.config.lora import MaxLoRARanks
 
@@ -262,6 +273,7 @@ def test_request_running_across_a_publish_finishes_on_its_adapter(
     for result in results:
         check_equal_to_peft(engine, peft_model, {"solver": result})
     learner.load(new_tensors)
+    assert all(far_from_peft(engine, peft_model, "solver", r) for r in results)
     assert slots.superseded == {} and sum(slots.users.values()) == 0
     assert not Path(old.lora_path).exists()  # removed once its last request ended
 
