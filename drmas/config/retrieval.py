@@ -48,7 +48,8 @@ class RetrieverConfig:
     """drmas retriever: queries one request may carry."""
     request_timeout_s: Seconds = 10.0
     """drmas retriever: seconds a client has to send its whole request (line, headers and
-    body), and again to read the answer; a slower or idle connection is closed."""
+    body), and again to read the answer; a slower or idle connection is closed (after a
+    408 answer when its body stopped short)."""
     max_body_bytes: Positive = 8 << 20
     """drmas retriever: largest request body in bytes; a longer Content-Length is refused
     (413) before the body is read."""

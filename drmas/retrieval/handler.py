@@ -184,7 +184,13 @@ class Handler(BaseHTTPRequestHandler):
                 self._reply(503, {"error": error}, close=True)
                 return
             self.reader.allow(length)
-            body = self.rfile.read(length)
+            try:
+                body = self.rfile.read(length)
+            except TimeoutError:  # the deadline passed mid-body (a slow client, or one
+                # that got the gate late in its own deadline): say so, it may retry
+                error = "the body did not arrive within retriever.request_timeout_s; retry"
+                self._reply(408, {"error": error}, close=True)
+                return
             if len(body) < length:  # the client closed before sending it all
                 self.close_connection = True
                 return

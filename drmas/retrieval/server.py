@@ -10,7 +10,7 @@ request's head, once that one has waited EVICT_AFTER_S (slow-header and idle con
 cannot hold every slot), and is otherwise answered 503 and closed. What a connection may send and for how long is
 bounded before it is read (drmas/retrieval/intake.py): the whole request must arrive
 within `request_timeout_s` (a client trickling bytes is dropped like a silent one, and so
-is an idle keep-alive connection), its answer must be read within as long again, its
+is an idle keep-alive connection; one whose body stops short is answered 408), its answer must be read within as long again, its
 headers are capped, its body is refused from its Content-Length (413) over
 `max_body_bytes`, and large bodies are read one at a time (BodyGate). The index is not
 known to be thread-safe, so the searches themselves run one request at a time under a
