@@ -52,6 +52,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -276,6 +278,12 @@ def run_one(out: Path, name: str, group: Group, mode: str, seed: int) -> bool:
         return False
     after = git_state(REPO)
     run = load_run(run_dir)
+    steps = int(yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["steps"])
+    if not run.validation or run.validation[-1].get("step") != steps:
+        print(f"{name}: FAILED: no final validation at step {steps} (the last is "
+              f"{run.validation[-1] if run.validation else None}); see {run_dir / 'logs'}\n"
+              f"{done.stderr[-2000:]}", flush=True)  # fmt: skip
+        return False
     copy_run_files(run_dir, out / "run_files" / name, (root, REPO))
     record = {
         "name": name, "group": group.name, "mode": mode, "seed": seed, "half": group.half,

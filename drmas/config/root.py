@@ -25,6 +25,7 @@ from drmas.config.types import (
     OpenFraction,
     Positive,
     PositiveFloat,
+    Seconds,
     TrackerName,
     ZeroVarianceBy,
 )
@@ -83,6 +84,10 @@ class ValConfig:
     """Validation sampling temperature."""
     top_p: OpenFraction = 0.95
     """Validation nucleus mass."""
+    final_timeout_s: Seconds = 3600.0
+    """drmas train: once the learners have finished, how long to wait for the final
+    validation round (num_tasks x n episodes; minutes on a CPU with a real model) before
+    stopping the run without it, with a warning saying so."""
 
 
 @dataclass

@@ -286,7 +286,7 @@ def run_children(cfg: DrmasConfig, run_dir: Path, placement: Placement | None) -
         start_children(cfg, run_dir, sup, placement)
         code = _watch(sup, progress, signals, reports)
         if code == 0:
-            _await_broker(sup, progress, timeout_s=120.0)
+            code = _await_broker(sup, progress, signals, cfg.val.final_timeout_s)
     finally:
         # The broker last. Stopped, it tells every client still connected (actors attached
         # from elsewhere) Shutdown and ends once the learners have said Goodbye; those are
@@ -332,12 +332,28 @@ def _failed_message(child: Child, reports: FailureReports) -> str:
     )
 
 
-def _await_broker(sup: Supervisor, progress: Progress, timeout_s: float) -> None:
-    """Let the broker finish the final validation round before it is stopped (at most
-    `timeout_s`; a failing child ends the wait, the caller stops everything)."""
+def _await_broker(sup: Supervisor, progress: Progress, signals: list[int], timeout_s: float) -> int:
+    """Let the broker finish the final validation round (it exits once the round is in)
+    before it is stopped: 0 when it did or `timeout_s` (val.final_timeout_s) passed, which
+    a warning says; 1 when a child failed meanwhile, 130 on a signal."""
     deadline = time.monotonic() + timeout_s
-    while sup.alive("broker") and time.monotonic() < deadline:
+    while sup.alive("broker"):
         progress.update()
-        if sup.failed() is not None:
-            break
+        failed = sup.failed()
+        if failed is not None:
+            print(f"drmas train: {failed.name} failed during the final validation; stopping "
+                  f"the run. Last lines of {failed.log_path}:\n{failed.tail()}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return 1
+        if signals:
+            print("drmas train: interrupted during the final validation; stopping all "
+                  "processes", file=sys.stderr, flush=True)  # fmt: skip
+            return 130
+        if time.monotonic() >= deadline:
+            print(f"drmas train: warning: the final validation did not finish within "
+                  f"val.final_timeout_s={timeout_s:g} s; stopping without it (the weights "
+                  f"are saved: `drmas evaluate` scores them; or raise val.final_timeout_s, "
+                  f"or lower val.num_tasks or val.n)", file=sys.stderr, flush=True)  # fmt: skip
+            return 0
         time.sleep(0.2)
+    return 0
