@@ -5,6 +5,7 @@ LoRA base, an unbatched peft forward with each request's adapter active."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -476,3 +477,40 @@ def test_a_model_without_adapters_refuses_an_adapter_request(model_path: Path) -
     with_engine(model_path, body)
     with pytest.raises(ValueError, match=r"need lora\.rank > 0"):
         HFEngine("policy", model_path, EngineConfig(device="cpu"), LoraConfig(rank=0), ["x"])
+
+
+def test_the_event_loop_runs_while_a_step_computes(model_path: Path, reference: Any) -> None:
+    """A step's model calls run off the event loop: a forward that waits for a task on the
+    loop (as a long prefill would keep heartbeats from going out) still completes, and the
+    tokens are those of an undisturbed run."""
+    _, tokenizer = reference
+    request = greedy(ids_of(tokenizer, PROMPTS[0]), 6)
+
+    async def body(engine: HFEngine) -> tuple[list[int], list[int]]:
+        plain = await engine.generate(request)
+        loop_ran = threading.Event()
+        forward = engine._forward
+
+        def waiting_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+            with pytest.raises(RuntimeError):  # off the loop's thread: no running loop
+                asyncio.get_running_loop()
+            assert loop_ran.wait(60), "the event loop did not run during the step"
+            return forward(*args, **kwargs)
+
+        async def ticker() -> None:
+            while True:
+                loop_ran.set()
+                await asyncio.sleep(0.001)
+
+        engine._forward = waiting_forward  # type: ignore[method-assign]
+        ticking = asyncio.create_task(ticker())
+        try:
+            loop_ran.clear()
+            again = await engine.generate(request)
+        finally:
+            ticking.cancel()
+            engine._forward = forward  # type: ignore[method-assign]
+        return plain.token_ids, again.token_ids
+
+    plain, again = with_engine(model_path, body)
+    assert again == plain

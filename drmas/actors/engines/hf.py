@@ -13,8 +13,9 @@ iteration
 2. runs one decode step for every running row;
 3. drops finished rows (index-select on the cache; leading columns that no live row
    attends to are cut off), so compute goes to live sequences;
-4. yields to the event loop (`asyncio.sleep(0)`), so the actor's sockets and weight sync
-   run between steps; `pause()` waits for exactly that point.
+4. resolves the finished rows' results on the event loop, and yields to it
+   (`asyncio.sleep(0)`): weight loads run between steps; `pause()` waits for exactly
+   that point.
 
 On a LoRA model (models.<m>.lora.rank > 0) the engine holds one copy of the frozen base
 with every agent's adapter on it (drmas.models.lora.add_adapters, built exactly as the
@@ -28,8 +29,12 @@ tensors, of the adapters that changed since the version the actor holds (possibl
 `load_weights` copies them by their PeftModel names, every other adapter stays as it is,
 and `weights_digest` fingerprints every adapter, as the learner does for the version.
 
-Model calls run on the event-loop thread: a decode step of the tiny model takes a few
-milliseconds; larger models belong on vllm/sglang.
+Each step's model calls run in a worker thread (`asyncio.to_thread`; torch releases the
+interpreter lock while it computes), so the actor's event loop keeps sending heartbeats and
+answering the broker during a long step: a prefill of 64 SmolLM2 prompts takes tens of
+seconds on two loaded cores, longer than broker.heartbeat_timeout_s, and on the loop
+thread it got the actor dropped as lost. One step runs at a time (the scheduler awaits
+it), and weights load only while paused, between steps.
 """
 
 from __future__ import annotations
@@ -38,13 +43,13 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
 from drmas.actors.engines.base import GenerateRequest, GenerateResult
+from drmas.actors.engines.hf_batch import Batch, is_plain_layer, pad_left, top_p_filter
 from drmas.actors.engines.scheduler import RequestScheduler, Row, hit_stop
 from drmas.config.actor import EngineConfig
 from drmas.config.model import LoraConfig
@@ -55,38 +60,12 @@ from drmas.transports.weights.layout import Expected, expected_of
 
 if TYPE_CHECKING:
     from peft import PeftModel
-    from transformers import DynamicCache, PreTrainedModel
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("drmas.engine.hf")
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in get_args(Dtype)}
 """actor.engine.dtype's choices (declared once, in drmas.config) -> torch dtypes."""
-
-
-@dataclass(eq=False)
-class _Batch:
-    """The running rows and their tensors, all aligned on the batch axis."""
-
-    rows: list[Row]
-    cache: DynamicCache
-    mask: torch.Tensor
-    """[B, cache_len] long: 1 where the row attends (left padding is 0)."""
-    next_pos: torch.Tensor
-    """[B] long: position id of the token each row feeds next."""
-    last: torch.Tensor
-    """[B] long: the token each row feeds next (its latest sample)."""
-    temperature: torch.Tensor
-    """[B] float32."""
-    top_p: torch.Tensor
-    """[B] float32."""
-
-    @property
-    def all_greedy(self) -> bool:
-        return all(row.request.temperature <= 0 for row in self.rows)
-
-    @property
-    def any_top_p(self) -> bool:
-        return any(row.request.top_p < 1 for row in self.rows)
 
 
 class HFEngine:
@@ -125,7 +104,9 @@ class HFEngine:
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         )
-        self._batch: _Batch | None = None
+        self._batch: Batch | None = None
+        self._finished: list[tuple[Row, GenerateResult]] = []
+        """Rows the step now running finished, with their results (answered on the loop)."""
         self._merge_ok = True
         self._scheduler = RequestScheduler("hf", model_name, self)
         self._generator: torch.Generator | None = None
@@ -316,7 +297,15 @@ class HFEngine:
         self._batch = None
 
     async def step(self, newcomers: list[Row]) -> None:
-        """Runs on the event-loop thread: the scheduler yields to the loop after it."""
+        """The step's compute in a worker thread; its finished rows are answered here, on
+        the event loop (asyncio futures are not thread-safe)."""
+        for row, result in await asyncio.to_thread(self._step, newcomers):
+            if not row.future.done():  # its caller may have given up meanwhile
+                row.future.set_result(result)
+
+    def _step(self, newcomers: list[Row]) -> list[tuple[Row, GenerateResult]]:
+        """Prefill the newcomers, decode every running row; the rows that finished."""
+        self._finished = []
         with torch.inference_mode():
             if newcomers:
                 fresh = self._prefill(newcomers)
@@ -324,6 +313,8 @@ class HFEngine:
                     self._batch = fresh if self._batch is None else self._merge(self._batch, fresh)
             if self._batch is not None:
                 self._decode(self._batch)
+        finished, self._finished = self._finished, []
+        return finished
 
     def _forward(
         self,
@@ -348,7 +339,7 @@ class HFEngine:
         )
         return out.logits[:, -1].float()
 
-    def _prefill(self, rows: list[Row]) -> _Batch | None:
+    def _prefill(self, rows: list[Row]) -> Batch | None:
         from transformers import DynamicCache
 
         assert self.model is not None
@@ -365,7 +356,7 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(rows, ids, mask, positions, cache)
-        batch = _Batch(
+        batch = Batch(
             rows=rows,
             cache=cache,
             mask=mask,
@@ -378,10 +369,10 @@ class HFEngine:
                 [row.request.top_p for row in rows], dtype=torch.float32, device=self.device
             ),
         )
-        self._merge_ok = all(_is_plain_layer(layer) for layer in cache.layers)
+        self._merge_ok = all(is_plain_layer(layer) for layer in cache.layers)
         return self._advance(batch, logits)
 
-    def _decode(self, batch: _Batch) -> None:
+    def _decode(self, batch: Batch) -> None:
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], 1))], dim=1)
         logits = self._forward(
             batch.rows, batch.last[:, None], batch.mask, batch.next_pos[:, None], batch.cache
@@ -389,7 +380,7 @@ class HFEngine:
         batch.next_pos = batch.next_pos + 1
         self._batch = self._advance(batch, logits)
 
-    def _sample(self, batch: _Batch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, batch: Batch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, log-probs) [B]; log-prob = log_softmax(logits / T) before top-p, with
         T = 1 for greedy rows (T = 0)."""
         greedy = batch.temperature <= 0
@@ -400,12 +391,12 @@ class HFEngine:
         else:
             probs = logp.exp()
             if batch.any_top_p:
-                probs = _top_p_filter(probs, batch.top_p)
+                probs = top_p_filter(probs, batch.top_p)
             sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
             tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
         return tokens, logp.gather(1, tokens[:, None]).squeeze(1).clamp(max=0.0)
 
-    def _advance(self, batch: _Batch, logits: torch.Tensor) -> _Batch | None:
+    def _advance(self, batch: Batch, logits: torch.Tensor) -> Batch | None:
         """Sample one token per row, resolve finished rows, return the live remainder."""
         tokens, logprobs = self._sample(batch, logits)
         batch.last = tokens
@@ -426,14 +417,16 @@ class HFEngine:
             else:
                 keep.append(i)
                 continue
-            row.future.set_result(GenerateResult(row.tokens, row.logprobs, reason, row.version))
+            self._finished.append(
+                (row, GenerateResult(row.tokens, row.logprobs, reason, row.version))
+            )
         if not keep:
             return None
         if len(keep) < len(batch.rows):
             self._select(batch, keep)
         return batch
 
-    def _select(self, batch: _Batch, keep: list[int]) -> None:
+    def _select(self, batch: Batch, keep: list[int]) -> None:
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         batch.rows = [batch.rows[i] for i in keep]
         batch.mask = batch.mask.index_select(0, index)
@@ -452,46 +445,19 @@ class HFEngine:
             layer.keys = layer.keys.index_select(0, index)[:, :, start:]
             layer.values = layer.values.index_select(0, index)[:, :, start:]
 
-    def _merge(self, old: _Batch, new: _Batch) -> _Batch:
+    def _merge(self, old: Batch, new: Batch) -> Batch:
         """One batch from two: the shorter cache is left-padded with masked zeros."""
         length = max(old.mask.shape[1], new.mask.shape[1])
         pairs: list[Any] = list(zip(old.cache.layers, new.cache.layers))
         for a, b in pairs:
-            a.keys = torch.cat([_pad_left(a.keys, length, 2), _pad_left(b.keys, length, 2)])
-            a.values = torch.cat([_pad_left(a.values, length, 2), _pad_left(b.values, length, 2)])
-        return _Batch(
+            a.keys = torch.cat([pad_left(a.keys, length, 2), pad_left(b.keys, length, 2)])
+            a.values = torch.cat([pad_left(a.values, length, 2), pad_left(b.values, length, 2)])
+        return Batch(
             rows=old.rows + new.rows,
             cache=old.cache,
-            mask=torch.cat([_pad_left(old.mask, length, 1), _pad_left(new.mask, length, 1)]),
+            mask=torch.cat([pad_left(old.mask, length, 1), pad_left(new.mask, length, 1)]),
             next_pos=torch.cat([old.next_pos, new.next_pos]),
             last=torch.cat([old.last, new.last]),
             temperature=torch.cat([old.temperature, new.temperature]),
             top_p=torch.cat([old.top_p, new.top_p]),
         )
-
-
-def _is_plain_layer(layer: Any) -> bool:
-    """Merging and trimming edit keys/values directly: only full-attention dynamic layers
-    (no sliding window, no quantisation) store exactly [B, heads, seq, dim]."""
-    from transformers.cache_utils import DynamicLayer
-
-    return type(layer) is DynamicLayer
-
-
-def _pad_left(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-
-def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (per row; rows
-    with top_p >= 1 keep everything, even where rounding lifts the cumulative sum past 1)."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    limit = torch.where(top_p >= 1, torch.full_like(top_p, float("inf")), top_p)
-    sorted_probs = sorted_probs.masked_fill(mass_before >= limit[:, None], 0.0)
-    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
