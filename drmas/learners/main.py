@@ -48,12 +48,12 @@ import torch.distributed as dist
 
 from drmas.checkpoints import store
 from drmas.learners import checkpoint
+from drmas.learners.leaving import goodbye
 from drmas.learners.trainer import Trainer
 from drmas.protocol.messages import (
     BatchRequest,
     BatchShard,
     ErrorReply,
-    Goodbye,
     Heartbeat,
     NoBatch,
     PublishDone,
@@ -435,8 +435,9 @@ class Learner:
         if self.sender is not None:
             self.sender.close()  # the group kept for the next publish too
         if self._client is not None:
-            self._client.send(Goodbye(self._client.client_id))
-            self._client.close()
+            # flushed, for at most GOODBYE_FLUSH_S: closed at once, the Goodbye was sometimes
+            # dropped and a finished broker waited for the rank's heartbeat grace (75 s)
+            goodbye(self._client, "")
         dist.destroy_process_group()
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -107,3 +109,51 @@ def test_sigterm_sends_a_goodbye_naming_the_job_then_exits(main_thread: str) -> 
     assert "solver rank 1 leaves now" in log
     blocked_note = "the main thread was blocked" in log
     assert blocked_note == (main_thread == "blocked"), log
+
+
+def test_a_finished_rank_flushes_its_goodbye_before_it_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Learner.cleanup at the end of a run: the Goodbye leaves before the connection closes.
+    Closed at once (linger 0), it was sometimes dropped, and the finished broker waited out
+    the rank's heartbeat grace (75 s) before it stopped. Here the broker binds only once the
+    Goodbye is queued: a close that drops what is queued never delivers it."""
+    from drmas.learners import main as learner_main
+    from drmas.transports.channel import BrokerClient
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    client = BrokerClient(f"tcp://127.0.0.1:{port}", "learner-solver-0", ctx=zmq.Context())
+    queued = threading.Event()
+    send = client.send
+
+    def send_then_tell(message: object) -> None:
+        send(message)
+        queued.set()
+
+    monkeypatch.setattr(client, "send", send_then_tell)
+    monkeypatch.setattr(learner_main.dist, "destroy_process_group", lambda: None)
+    learner = object.__new__(learner_main.Learner)
+    learner.sender, learner._client = None, client
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+
+    def broker_comes_up() -> None:
+        assert queued.wait(30)
+        router.bind(f"tcp://127.0.0.1:{port}")
+
+    up = threading.Thread(target=broker_comes_up)
+    up.start()
+    try:
+        learner.cleanup()
+        up.join(30)
+        assert router.poll(10_000), "the Goodbye was dropped at close"
+        goodbye = decode_to_broker(router.recv_multipart()[1])
+    finally:
+        router.close()
+        ctx.term()
+    assert isinstance(goodbye, Goodbye) and goodbye.client_id == "learner-solver-0"
+    assert goodbye.reason == ""  # a rank that finished
