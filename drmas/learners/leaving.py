@@ -142,8 +142,10 @@ class Leaving:
 
 
 def goodbye(client: BrokerClient, reason: str) -> None:
-    """Send Goodbye(reason) and wait, at most GOODBYE_FLUSH_S, until ZeroMQ has sent it: the
-    process exits with os._exit, which would drop a message still queued."""
+    """Send Goodbye(reason) and wait, at most GOODBYE_FLUSH_S, until ZeroMQ has sent it, then
+    close the client and its context. Both ways a rank leaves use it: on a signal (the
+    process exits with os._exit, which would drop a message still queued) and at the end of
+    its run (Learner.cleanup, reason "": a close at once could drop it too)."""
     sock = client.sock
     context = sock.context
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -31,6 +30,7 @@ CHILD = textwrap.dedent(
     from drmas.learners.leaving import Leaving
     from drmas.protocol.messages import Heartbeat
     from drmas.transports.channel import BrokerClient
+    from drmas.transports.ports import free_port
 
     client = BrokerClient(sys.argv[1], "learner-solver-1")
     client.send(Heartbeat("learner-solver-1"))
@@ -120,11 +120,9 @@ def test_a_finished_rank_flushes_its_goodbye_before_it_closes(
     Goodbye is queued: a close that drops what is queued never delivers it."""
     from drmas.learners import main as learner_main
     from drmas.transports.channel import BrokerClient
+    from drmas.transports.ports import free_port
 
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
+    port = free_port()
     client = BrokerClient(f"tcp://127.0.0.1:{port}", "learner-solver-0", ctx=zmq.Context())
     queued = threading.Event()
     send = client.send
