@@ -280,9 +280,12 @@ def test_a_key_bound_to_a_role_cannot_take_another(tmp_path: Path) -> None:
     loop = threading.Thread(target=server.serve, kwargs={"max_seconds": 60}, daemon=True)
     loop.start()
 
+    opened: list[BrokerClient] = []  # closed at the end: none outlives the test
+
     def client(name: str, cid: str) -> BrokerClient:
         security = SecurityConfig(curve=True, keys_dir=str(keys), client_name=name)
-        return BrokerClient(server.address, cid, security=security)
+        opened.append(BrokerClient(server.address, cid, security=security))
+        return opened[-1]
 
     try:
         ops = client("ops", "ops-1")
@@ -309,6 +312,8 @@ def test_a_key_bound_to_a_role_cannot_take_another(tmp_path: Path) -> None:
         counters = ops.request(StatusRequest(), StatusReply, 10).counters
         assert counters["refused/forbidden"] == 5 and counters["actors_joined"] == 2
     finally:
+        for c in opened:
+            c.close()
         server._stop = "the test is over"
         loop.join(timeout=10)
     time.sleep(0)

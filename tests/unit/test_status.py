@@ -82,20 +82,25 @@ def test_status_of_a_run_folder_asks_its_broker(
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     reply = StatusReply("run7", 3.0, [], {}, 0, 0, {"refused/too_big": 2}, False)
+    received: list[object] = []  # what reached the router, for the failure message
 
     def answer_once() -> None:
         if router.poll(20_000):
             identity, payload = router.recv_multipart()
-            assert isinstance(decode_to_broker(payload), StatusRequest)
-            router.send_multipart([identity, encode(reply)])
+            received.append(decode_to_broker(payload))
+            if isinstance(received[-1], StatusRequest):
+                router.send_multipart([identity, encode(reply)])
 
     broker = threading.Thread(target=answer_once, daemon=True)
     broker.start()
     run = write_run(tmp_path / "run", f"broker.address=tcp://*:{port}")
     try:
-        assert main(["status", str(run), "--json", "--timeout", "10"]) == 0
+        code = main(["status", str(run), "--json", "--timeout", "10"])
     finally:
         broker.join(timeout=30)
         router.close(linger=0)
-    shown = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    assert code == 0, f"exit {code}; stderr {err!r}; the router received {received!r}"
+    assert received and isinstance(received[0], StatusRequest)
+    shown = json.loads(out)
     assert shown["run_id"] == "run7" and shown["counters"] == {"refused/too_big": 2}
