@@ -242,8 +242,8 @@ def copy_run_files(run_dir: Path, dest: Path, roots: tuple[Path, ...]) -> None:
 
 
 RUN_TIMEOUT_S = 3 * 3600
-"""One run's bound: a SmolLM2 run takes about 45 minutes alone and hit the former 1 hour
-on a machine shared with a CI run; three hours means it is stuck."""
+"""One run's bound: a SmolLM2 run of the lemma study takes about an hour alone and 87
+minutes beside two CI runs; three hours means it is stuck."""
 
 
 def _drmas(command: str, args: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -72,7 +72,9 @@ PLAN = (
           half="lemma", reference="lemma_scaled"),
     # the pretrained base is the same for every seed (no warm start): the seed varies the
     # task order, the sampling and the adapter's initialisation (PER_SEED)
-    Group("lemma_smol", SMOL, (), ("agent", "step_global"), (0, 1, 2, 3), 45.0, 10.0,
+    # minutes measured on 2 cores: step_global runs 57 and 61 alone; agent runs (with
+    # the step-0 round) 79 to 87, beside other work
+    Group("lemma_smol", SMOL, (), ("agent", "step_global"), (0, 1, 2, 3), 60.0, 20.0,
           half="lemma"),
     Group("lemma_search", (*SEARCH, "workflow.rewards=role"), ("verifier", "searcher", "answerer"),
           ("agent", "agent_turn", "step_global"), (0, 1, 2, 3, 4), 7.1, 1.0, half="lemma"),
@@ -81,6 +83,11 @@ PER_SEED = {"lemma_smol": "models.base.lora.init_seed={seed}"}
 """An override that follows the seed beyond the warm starts run_one seeds."""
 METRIC = {"lemma_smol": "val/avg@4"}
 """The held-out metric each group compares (val/avg@8 unless named here)."""
+
+
+def run_minutes(group: Group, mode: str) -> float:
+    """One run's estimate: the first mode of each seed also plays the step-0 round."""
+    return group.minutes + (group.step0_minutes if mode == group.modes[0] else 0.0)
 
 
 def ordered(groups: list[Group], seeds: list[int] | None) -> list[tuple[str, Group, str, int]]:
@@ -274,9 +281,10 @@ def main() -> int:
     groups = [g for g in PLAN if not args.only or g.name in args.only]
     todo = [r for r in ordered(groups, args.seeds) if not (out / f"{r[0]}.json").is_file()]
     if args.dry_run:
-        for name, group, _, _ in todo:
-            print(f"{name}  (about {group.minutes:.0f} min with its models cached)")
-        print(f"{len(todo)} runs, about {sum(r[1].minutes for r in todo) / 60:.1f} h")
+        minutes = [run_minutes(group, mode) for _, group, mode, _ in todo]
+        for (name, *_), m in zip(todo, minutes, strict=True):
+            print(f"{name}  (about {m:.0f} min with its models cached)")
+        print(f"{len(todo)} runs, about {sum(minutes) / 60:.1f} h")
         return 0
     state = git_state(REPO)
     if state["dirty"] and not args.allow_dirty:

@@ -204,3 +204,12 @@ def test_the_lemma_mechanism_averages_each_runs_first_and_last_quarter(tmp_path:
     # quarters of 8 steps are 2: seed 0 first (0+1)/2, last (6+7)/2; seed 1 one more
     assert m["advantage/verifier/mean"] == {"first": 1.0, "last": 7.0}
     assert m["steps/verifier"] == {"first": 64.0, "last": 64.0}
+
+
+def test_the_lemma_dry_run_counts_the_step0_round_in_each_seeds_first_mode() -> None:
+    import study_lemma
+
+    smol = next(g for g in study_lemma.PLAN if g.name == "lemma_smol")
+    assert smol.step0_minutes > 0
+    assert study_lemma.run_minutes(smol, smol.modes[0]) == smol.minutes + smol.step0_minutes
+    assert study_lemma.run_minutes(smol, smol.modes[1]) == smol.minutes
