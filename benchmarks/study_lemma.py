@@ -108,6 +108,23 @@ def ordered(groups: list[Group], seeds: list[int] | None) -> list[tuple[str, Gro
     ]
 
 
+def runs_left(
+    out: Path, groups: list[Group], seeds: list[int] | None, modes: list[str] | None
+) -> list[tuple[str, Group, str, int]]:
+    """The runs of `groups` (restricted to `seeds` and `modes` when given) with no result
+    in `out` yet, in the order `ordered` plays them."""
+    known = {m for g in groups for m in g.modes}
+    unknown = sorted(set(modes or ()) - known)
+    if unknown:
+        raise ValueError(f"--modes {' '.join(unknown)}: not an arm of "
+                         f"{', '.join(g.name for g in groups)}; pick from {' '.join(sorted(known))}")  # fmt: skip
+    return [
+        r
+        for r in ordered(groups, seeds)
+        if not (out / f"{r[0]}.json").is_file() and (not modes or r[2] in modes)
+    ]
+
+
 # ------------------------------------------------------------------ the summary
 
 
@@ -267,6 +284,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", help="groups to run (default: all)")
     p.add_argument("--seeds", nargs="*", type=int, help="seeds to run (default: all)")
+    p.add_argument("--modes", nargs="*",
+                   help="arms to run (default: all); two invocations with different arms "
+                        "can run side by side, as a run leaves a core idle")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="print the runs left, in order")
     p.add_argument("--summarize", action="store_true", help="only rewrite the summary")
     p.add_argument("--allow-dirty", action="store_true", help="run on a tree with changes")
@@ -279,7 +299,10 @@ def main() -> int:
         print((out / "summary.md").read_text())
         return 0
     groups = [g for g in PLAN if not args.only or g.name in args.only]
-    todo = [r for r in ordered(groups, args.seeds) if not (out / f"{r[0]}.json").is_file()]
+    try:
+        todo = runs_left(out, groups, args.seeds, args.modes)
+    except ValueError as e:
+        p.error(str(e))
     if args.dry_run:
         minutes = [run_minutes(group, mode) for _, group, mode, _ in todo]
         for (name, *_), m in zip(todo, minutes, strict=True):

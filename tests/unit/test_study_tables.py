@@ -213,3 +213,17 @@ def test_the_lemma_dry_run_counts_the_step0_round_in_each_seeds_first_mode() -> 
     assert smol.step0_minutes > 0
     assert study_lemma.run_minutes(smol, smol.modes[0]) == smol.minutes + smol.step0_minutes
     assert study_lemma.run_minutes(smol, smol.modes[1]) == smol.minutes
+
+
+def test_the_lemma_runner_restricts_to_the_arms_asked_for_and_names_a_wrong_one(
+    tmp_path: Path,
+) -> None:
+    import study_lemma
+
+    smol = [g for g in study_lemma.PLAN if g.name == "lemma_smol"]
+    (tmp_path / "lemma_smol_step_global_s0.json").write_text("{}")  # done before: skipped
+    left = study_lemma.runs_left(tmp_path, smol, [0, 1], ["step_global"])
+    assert [name for name, *_ in left] == ["lemma_smol_step_global_s1"]
+    assert len(study_lemma.runs_left(tmp_path, smol, [0, 1], None)) == 3
+    with pytest.raises(ValueError, match="--modes global: not an arm of lemma_smol"):
+        study_lemma.runs_left(tmp_path, smol, None, ["global"])
