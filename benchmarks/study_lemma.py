@@ -3,6 +3,9 @@ Lemma 4.2 predicts an effect on training, run seed by seed, recorded and summari
 
     python benchmarks/study_lemma.py --dry-run                 the runs left, in their order
     python benchmarks/study_lemma.py [--only GROUP ...] [--seeds 0 1 ...]   run what is left
+        [--modes ARM ...]     only these arms: a SmolLM2 run leaves one of 2 cores idle,
+                              so `--modes agent` and `--modes step_global` can run side
+                              by side (from two clean worktrees, one --out)
     python benchmarks/study_lemma.py --summarize               the tables from the recorded runs
 
 Why these runs. A constant per-agent factor on the advantages (what a shared baseline
