@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_train import run_train
+from provenance import git_state
 from study_stats import mean_ci
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,18 +40,6 @@ def seed_overrides(seed: int) -> list[str]:
         f"task.order_seed={seed}",
         f"actor.engine.seed={seed}",
     ]
-
-
-def commit() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(REPO), *args], capture_output=True, text=True
-        ).stdout
-
-    return {
-        "commit": git("rev-parse", "HEAD").strip(),
-        "dirty": bool(git("status", "--porcelain").strip()),
-    }
 
 
 def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -104,7 +92,7 @@ def main() -> int:
             print(f"seed {seed}: drmas train exited {result['exit_code']}", file=sys.stderr)
             return 1
         keep = ("command", "wall_s", "peak_rss_gb", "steps", "validation")
-        record["runs"][str(seed)] = {**{k: result[k] for k in keep}, **commit()}
+        record["runs"][str(seed)] = {**{k: result[k] for k in keep}, **git_state()}
         record["summary"] = summarize(record["runs"])
         out.write_text(json.dumps(record, indent=2) + "\n")
         print(json.dumps({f"seed {seed}": [v[METRIC] for v in result["validation"]]}), flush=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import git_state
 
 from drmas.actors.engines.base import GenerateRequest
 from drmas.actors.engines.hf import HFEngine
@@ -121,8 +123,9 @@ if __name__ == "__main__":
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    result = asyncio.run(main(parser.parse_args()))
     args = parser.parse_args()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
+    result = {**asyncio.run(main(args)), **git_state(), "load_at_start": load_at_start}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -28,7 +28,6 @@ import logging
 import multiprocessing as mp
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import msgpack  # noqa: E402
 import zmq  # noqa: E402
+from provenance import git_state  # noqa: E402
 
 from drmas.broker.server import BrokerServer  # noqa: E402
 from drmas.config import load_config  # noqa: E402
@@ -526,13 +526,9 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, stream=open("/dev/null", "w"))  # noqa: SIM115
     only = {n.strip() for n in args.only.split(",") if n.strip()}
 
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), *argv], capture_output=True,
-                              text=True).stdout.strip()  # fmt: skip
-
     out = {"command": f"python benchmarks/bench_hostile.py --parts {args.parts}"
                       + (f" --only {args.only}" if only else ""),
-           "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
+           **git_state(),
            "attacks": run_attacks(args.parts, only)}  # fmt: skip
     if not only:
         out["handle"] = handle_cases()

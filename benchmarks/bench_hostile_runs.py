@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import zmq  # noqa: E402
+from provenance import git_state  # noqa: E402
 
 from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode  # noqa: E402
 from drmas.protocol.messages import ErrorReply, Goodbye, Heartbeat, Hello, Welcome  # noqa: E402
@@ -171,13 +172,9 @@ def main() -> int:
     cache = args.cache or tempfile.mkdtemp(prefix="drmas-hostile-cache-")
     only = {n.strip() for n in args.only.split(",") if n.strip()}
     names = ["baseline", *(n for n in CASES if n != "baseline" and (not only or n in only))]
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
-    dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"],
-                                capture_output=True, text=True).stdout.strip())  # fmt: skip
     # the first run builds the model when the cache is fresh: a warm-up, not the baseline
     warm = run_case("baseline", cache)
-    out: dict[str, Any] = {"command": " ".join(sys.argv), "commit": commit, "dirty": dirty,
+    out: dict[str, Any] = {"command": " ".join(sys.argv), **git_state(),
                            "run": list(RUN), "warm_up": warm, "cases": {}}  # fmt: skip
     for name in names:
         out["cases"][name] = result = run_case(name, cache)

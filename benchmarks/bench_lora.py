@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from provenance import git_state
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "builtin:tiny-qwen2"
@@ -442,10 +443,9 @@ def main() -> None:
 
     cache = args.cache or tempfile.mkdtemp(prefix="drmas-bench-cache-")
     path = resolve_model_path(MODEL, cache, WarmStartConfig(steps=WARMSTART_STEPS))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
     result: dict[str, Any] = {
         "model": MODEL, "lora_rank": RANK, **adapter_sizes(path),
-        "commit": commit.stdout.strip(), "cpus": os.cpu_count(), "load_at_start": load(),
+        **git_state(), "cpus": os.cpu_count(), "load_at_start": load(),
     }  # fmt: skip
     if "train" in args.only:
         result["train"] = train_part(args.agents, cache)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from provenance import git_state  # noqa: E402
 from variant_runs import run_drmas  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "probe"
@@ -49,23 +49,12 @@ CASES: dict[str, tuple[str, ...]] = {
 """Case -> the overrides of its `drmas probe` (64 groups, seed 0 unless they say)."""
 
 
-def git_state() -> tuple[str, bool]:
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
-                              timeout=60)  # fmt: skip
-        return done.stdout.strip()
-
-    dirty = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
-             if "benchmarks/results/" not in line]  # fmt: skip
-    return git("rev-parse", "HEAD"), bool(dirty)
-
-
 def probe(case: str, out: Path) -> None:
     target = out / f"{case}.json"
     if target.is_file():
         print(f"{case}: recorded before, skipped", flush=True)
         return
-    commit, dirty = git_state()
+    state = git_state()
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"probe-{case}-") as tmp:
         args = [*CASES[case], f"run.dir={tmp}/run"]
@@ -75,7 +64,7 @@ def probe(case: str, out: Path) -> None:
         if png.is_file():
             shutil.copyfile(png, out / f"{case}.png")
     result["command"] = "drmas probe " + " ".join(repr(a) if " " in a else a for a in CASES[case])
-    result.update(commit=commit, dirty=dirty, probe_wall_s=wall)
+    result.update(**state, probe_wall_s=wall)
     target.write_text(json.dumps(result, indent=2))
     print(f"{case}: {result['probe_wall_s']:.0f} s", flush=True)
 

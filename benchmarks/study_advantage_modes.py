@@ -57,6 +57,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from provenance import git_state  # noqa: E402
 from study_summary import load_results, summarize  # noqa: E402
 from study_tables import (  # noqa: E402
     ablation_table,
@@ -194,18 +195,6 @@ def overrides(group: Group, mode: str, seed: int, run_dir: str) -> list[str]:
 def _git(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
                           timeout=60)  # fmt: skip
-
-
-def git_state(tree: Path) -> dict[str, Any]:
-    """HEAD and whether the tree has changes outside benchmarks/results/ (the study's own
-    output, which its runs write while they go)."""
-    head = _git(tree, "rev-parse", "HEAD")
-    if head.returncode != 0:
-        return {"commit": None, "dirty": None, "dirty_paths": []}
-    status = _git(tree, "status", "--porcelain", "--untracked-files=all")
-    paths = [line[3:] for line in status.stdout.splitlines() if len(line) > 3]
-    paths = [p for p in paths if not p.strip('"').startswith("benchmarks/results/")]
-    return {"commit": head.stdout.strip(), "dirty": bool(paths), "dirty_paths": paths[:20]}
 
 
 def results_root(out: Path) -> Path:

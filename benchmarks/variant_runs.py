@@ -1,6 +1,6 @@
 """One `drmas` command of this tree per (variant, seed), recorded once: what the measurement
 scripts that compare a setting over seeds share (bench_skip_zero_variance.py,
-bench_std_options.py; probe_teams.py uses `run_drmas` and `git_commit`).
+bench_std_options.py; probe_teams.py uses `run_drmas`).
 
 The command runs this script's own tree (PYTHONPATH points at it, so a clean worktree can
 measure while others commit), and every record carries the git commit and the command with
@@ -19,18 +19,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from provenance import git_state
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def relative(path: object) -> str:
     """`path` (or an override holding one) without this machine's repository prefix."""
     return str(path).replace(f"{REPO.resolve()}/", "")
-
-
-def git_commit() -> str:
-    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
-    return done.stdout.strip()
 
 
 def run_drmas(command: str, args: list[str], what: str) -> float:
@@ -59,9 +55,10 @@ def train_once(
         return json.loads(record_path.read_text())
     run_dir = folder / "runs" / f"{variant}_s{seed}"
     overrides = args(run_dir)
+    state = git_state()  # before the run: the code it ran, even if HEAD moves meanwhile
     wall = run_drmas("train", overrides, f"{variant} seed {seed}")
     record = {
-        "variant": variant, "seed": seed, "commit": git_commit(),
+        "variant": variant, "seed": seed, **state,
         "command": "drmas train " + " ".join(relative(a) for a in overrides), "wall_s": wall,
         **measure(run_dir),
     }  # fmt: skip

@@ -227,3 +227,23 @@ def test_the_lemma_runner_restricts_to_the_arms_asked_for_and_names_a_wrong_one(
     assert len(study_lemma.runs_left(tmp_path, smol, [0, 1], None)) == 3
     with pytest.raises(ValueError, match="--modes global: not an arm of lemma_smol"):
         study_lemma.runs_left(tmp_path, smol, None, ["global"])
+
+
+def test_provenance_counts_untracked_code_and_answers_outside_git(tmp_path: Path) -> None:
+    """Every benchmark records provenance.git_state(): a new untracked source file makes the
+    tree dirty (it may be the code that ran), a folder that is no checkout gives None
+    rather than a made-up commit."""
+    import subprocess
+
+    import provenance
+
+    assert provenance.git_state(tmp_path) == {"commit": None, "dirty": None, "dirty_paths": []}
+    subprocess.run(["git", "-C", str(tmp_path), "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "a.py"], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t",
+                    "commit", "-qm", "one"], check=True)  # fmt: skip
+    assert provenance.git_state(tmp_path)["dirty"] is False
+    (tmp_path / "new_module.py").write_text("y = 2\n")
+    state = provenance.git_state(tmp_path)
+    assert state["dirty"] is True and state["dirty_paths"] == ["new_module.py"]
