@@ -58,6 +58,13 @@ from drmas.transports.weights import NamedTensors, WeightReceiver
 
 log = logging.getLogger("drmas.actor")
 T = TypeVar("T")
+
+
+def is_unknown_client(msg: object) -> bool:
+    """The broker's refusal of a message from a connection it does not know (any more)."""
+    return isinstance(msg, ErrorReply) and msg.code == "unknown_client"
+
+
 REQUEST_TIMEOUT_S = 30.0
 """One attempt of a request to the broker."""
 REQUEST_ATTEMPTS = 4
@@ -183,12 +190,26 @@ class Actor:
                 case Shutdown():
                     self.stopping = f"broker: {msg.reason}"
                 case ErrorReply(code="unknown_client"):  # dropped (e.g. long silence): rejoin
-                    log.warning("the broker forgot this actor (%s); saying hello again", msg.reason)
-                    self.client.inbox.clear()
-                    self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
+                    self.rejoin(msg.reason)
                     return
                 case _:
                     log.debug("ignoring unsolicited %s", type(msg).__name__)
+
+    def rejoin(self, why: str) -> None:
+        """The broker dropped this actor (missed heartbeats or weight publishes): say Hello
+        again, once. Every message of the inbox came before that Hello and belongs to the
+        dropped membership (its weight groups, the refusals of its other messages), so all
+        but a Shutdown go; so do the refusals that reach us before the Welcome. Left there,
+        each would be a second Hello, which re-registers the actor and ends what the first
+        one was given."""
+        log.warning("the broker forgot this actor (%s); saying hello again", why)
+        kept = [m for m in self.client.inbox if isinstance(m, Shutdown)]
+        self.client.inbox.clear()
+        self.client.inbox.extend(kept)
+        self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
+        stale = [m for m in self.client.inbox if is_unknown_client(m)]
+        for m in stale:
+            self.client.inbox.remove(m)
 
     def shutdown_pending(self) -> bool:
         return bool(self.stopping) or any(isinstance(m, Shutdown) for m in self.client.inbox)
@@ -229,8 +250,7 @@ class Actor:
         try:
             reply = await self.ask(LeaseRequest(self.id, free, self.versions()), Leases)
         except BrokerRefused as exc:
-            log.warning("lease request refused (%s); saying hello again", exc)
-            self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
+            self.rejoin(f"lease request refused: {exc}")
             return 1.0
         except BrokerUnavailable as exc:
             if self.shut_down_meanwhile(exc):

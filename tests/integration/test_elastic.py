@@ -193,8 +193,11 @@ def test_sigterm_detach_hands_back_leases_and_sim_actors_complete(
     assert c["leases_handed_back"] >= 1 and c.get("leases_reissued", 0) == 0, c
     assert "handed back" in (run_dir / "extra-leaver.log").read_text()
     # the sim actors: the run's two and the leaver joined; the two loaded every publish
-    # (but the last of each model, which the stop may have cut short)
-    assert c["actors_joined"] == 3, c
+    # (but the last of each model, which the stop may have cut short). On a loaded machine
+    # an actor stuck in a roll call can miss publishes and be dropped ("never joined"):
+    # it then says Hello once more, and only once (a second Hello would re-register it)
+    assert c["actors_joined"] == 3 + c.get("actors_never_joined", 0), c
+    assert c.get("actors_re_registered", 0) == 0, c
     published = sum(summary["versions"].values())
     assert c["weight_digest_match"] >= 2 * (published - len(MODELS)), c
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
