@@ -9,9 +9,11 @@ success."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
 from drmas.teams.math.grading import grade
 from drmas.teams.math.prompts import parse_boxed, parse_verdict
@@ -54,8 +56,9 @@ def test_a_team_outside_the_package_trains_on_its_per_step_rewards(
 
     records = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert records
+    as_team_reads = team_text(run_dir)
     for record in records:
-        _check_transcript(record)
+        _check_transcript(record, as_team_reads)
 
     out = drmas("eval", str(run_dir), "--k", "2", "--tasks", "4")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -66,19 +69,41 @@ def test_a_team_outside_the_package_trains_on_its_per_step_rewards(
     assert "mean step reward per agent: solver " in out.stdout
 
 
-def _check_transcript(record: dict) -> None:
-    """Every step's own reward follows the team's pay rules (re-graded here from its text),
-    its score is that reward minus the penalty if invalid, and its advantage is Dr. MAS over
-    the whole group's scores (samples_episodes = group_size: the record holds the group)."""
+def team_text(run_dir: Path) -> Callable[[str, str], str]:
+    """(model, transcript text) -> the text the team graded. A transcript shows every token
+    the model wrote, special ones included (the tiny models can sample `<unk>`); the team
+    reads the response decoded without them."""
+    from transformers import AutoTokenizer
+
+    models = yaml.safe_load((run_dir / "config.yaml").read_text())["models"]
+    specials = {
+        name: AutoTokenizer.from_pretrained(spec["path"]).all_special_tokens
+        for name, spec in models.items()
+    }
+
+    def read(model: str, text: str) -> str:
+        for token in specials[model]:
+            text = text.replace(token, "")
+        return text
+
+    return read
+
+
+def _check_transcript(record: dict, as_team_reads: Callable[[str, str], str]) -> None:
+    """Every step's own reward follows the team's pay rules (re-graded here from its text,
+    as the team read it), its score is that reward minus the penalty if invalid, and its
+    advantage is Dr. MAS over the whole group's scores (samples_episodes = group_size: the
+    record holds the group)."""
     episodes = record["episodes"]
     assert len(episodes) == record["group_episodes"] == 4
     for episode in episodes:
         solver, verifier = episode["steps"]
         assert (solver["agent"], verifier["agent"]) == ("solver", "verifier")
-        answer = parse_boxed(str(solver["response"]))
+        answer = parse_boxed(as_team_reads(solver["model"], str(solver["response"])))
         right = grade(answer, record["answer"])
         assert solver["reward"] == solver_pay(answer, record["answer"])
-        assert verifier["reward"] == verifier_pay(parse_verdict(str(verifier["response"])), right)
+        verdict = parse_verdict(as_team_reads(verifier["model"], str(verifier["response"])))
+        assert verifier["reward"] == verifier_pay(verdict, right)
         assert episode["reward"] in (0.0, 1.0)
         for step in (solver, verifier):
             penalty = 0.0 if step["valid"] else PENALTY
