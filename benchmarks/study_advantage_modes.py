@@ -57,7 +57,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from provenance import git_state  # noqa: E402
+from provenance import git, git_state  # noqa: E402
 from study_summary import load_results, summarize  # noqa: E402
 from study_tables import (  # noqa: E402
     ablation_table,
@@ -192,15 +192,10 @@ def overrides(group: Group, mode: str, seed: int, run_dir: str) -> list[str]:
 # ------------------------------------------------------------------ provenance and paths
 
 
-def _git(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
-
-
 def results_root(out: Path) -> Path:
     """The repository that holds the results (paths are recorded relative to it)."""
     existing = next(p for p in (out, *out.parents) if p.is_dir())
-    top = _git(existing, "rev-parse", "--show-toplevel")
+    top = git(existing, "rev-parse", "--show-toplevel")
     return Path(top.stdout.strip()) if top.returncode == 0 else REPO
 
 
@@ -381,7 +376,7 @@ def summarize_all(out: Path) -> dict[str, Any]:
         span, prov = g["provenance"]["time_span_s"], g["provenance"]
         if span and prov["not_recorded"]:
             since, until = (datetime.fromtimestamp(t, timezone.utc).isoformat() for t in span)
-            count = _git(REPO, "rev-list", "--count", f"--since={since}", f"--until={until}",
+            count = git(REPO, "rev-list", "--count", f"--since={since}", f"--until={until}",
                          "HEAD", "--", "drmas/")  # fmt: skip
             prov["commits_in_span"] = int(count.stdout) if count.returncode == 0 else None
     (out / "study_summary.json").write_text(json.dumps(summary, indent=2))

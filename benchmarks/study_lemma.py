@@ -76,7 +76,7 @@ PLAN = (
     # the pretrained base is the same for every seed (no warm start): the seed varies the
     # task order, the sampling and the adapter's initialisation (PER_SEED)
     # minutes measured on 2 cores: step_global runs 57 and 61 alone; agent runs (with
-    # the step-0 round) 79 to 87, beside other work. Seeds 0-3 are the 4 pairs the study
+    # the step-0 round) 79 to 126, beside other work. Seeds 0-3 are the 4 pairs the study
     # asked for at least; seed 4 is a fifth pair, run where time allows
     Group("lemma_smol", SMOL, (), ("agent", "step_global"), (0, 1, 2, 3, 4), 60.0, 20.0,
           half="lemma"),

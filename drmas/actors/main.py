@@ -60,11 +60,6 @@ log = logging.getLogger("drmas.actor")
 T = TypeVar("T")
 
 
-def is_unknown_client(msg: object) -> bool:
-    """The broker's refusal of a message from a connection it does not know (any more)."""
-    return isinstance(msg, ErrorReply) and msg.code == "unknown_client"
-
-
 REQUEST_TIMEOUT_S = 30.0
 """One attempt of a request to the broker."""
 REQUEST_ATTEMPTS = 4
@@ -74,6 +69,11 @@ GOODBYE_LINGER_MS = 2000
 """Longest wait on exit for the Goodbye to reach the broker."""
 REASON_CHARS = 300
 """A handed-back lease's reason is clipped to this (the log has the whole error)."""
+
+
+def is_unknown_client(msg: object) -> bool:
+    """The broker's refusal of a message from a connection it does not know (any more)."""
+    return isinstance(msg, ErrorReply) and msg.code == "unknown_client"
 
 
 def _fault_kill_mid_sync(join: JoinWeightGroup) -> None:
@@ -203,13 +203,14 @@ class Actor:
         each would be a second Hello, which re-registers the actor and ends what the first
         one was given."""
         log.warning("the broker forgot this actor (%s); saying hello again", why)
-        kept = [m for m in self.client.inbox if isinstance(m, Shutdown)]
-        self.client.inbox.clear()
-        self.client.inbox.extend(kept)
+        inbox = self.client.inbox
+        shutdowns = [m for m in inbox if isinstance(m, Shutdown)]
+        inbox.clear()
+        inbox.extend(shutdowns)
         self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
-        stale = [m for m in self.client.inbox if is_unknown_client(m)]
-        for m in stale:
-            self.client.inbox.remove(m)
+        fresh = [m for m in inbox if not is_unknown_client(m)]
+        inbox.clear()
+        inbox.extend(fresh)
 
     def shutdown_pending(self) -> bool:
         return bool(self.stopping) or any(isinstance(m, Shutdown) for m in self.client.inbox)

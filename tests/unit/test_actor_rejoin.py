@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,22 +19,16 @@ import pytest
 from drmas.actors.main import Actor, is_unknown_client
 from drmas.broker.server import BrokerServer
 from drmas.protocol.messages import Heartbeat, Shutdown
-from tests.fixtures.broker_server import broker_server
+from tests.fixtures.broker_server import serving_broker
 
 
 @pytest.fixture
 def serving(tmp_path: Path) -> Iterator[BrokerServer]:
     """A broker loop in a thread that drops an actor silent for one second."""
-    with broker_server(
+    with serving_broker(
         tmp_path, "broker.heartbeat_timeout_s=1", "broker.heartbeat_interval_s=0.2"
     ) as srv:
-        loop = threading.Thread(target=srv.serve, kwargs={"max_seconds": 60}, daemon=True)
-        loop.start()
-        try:
-            yield srv
-        finally:
-            srv._stop = "the test is over"
-            loop.join(timeout=10)
+        yield srv
 
 
 def wait_until(check: object, what: str, timeout_s: float = 30) -> None:

@@ -7,7 +7,6 @@ broker.learner_timeout_s of silence or by a restarted broker: it must say so and
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,20 +18,14 @@ from drmas.broker.server import BrokerServer
 from drmas.learners.main import Heartbeats, Learner, LearnerDropped, _shutdown_requested
 from drmas.protocol.messages import ErrorReply, Shutdown
 from drmas.transports.channel import BrokerClient, BrokerRefused
-from tests.fixtures.broker_server import broker_server
+from tests.fixtures.broker_server import serving_broker
 
 
 @pytest.fixture
 def serving(tmp_path: Path) -> Iterator[BrokerServer]:
     """A broker loop in a thread that drops a learner silent for one second."""
-    with broker_server(tmp_path, "broker.learner_timeout_s=1") as srv:
-        loop = threading.Thread(target=srv.serve, kwargs={"max_seconds": 60}, daemon=True)
-        loop.start()
-        try:
-            yield srv
-        finally:
-            srv._stop = "the test is over"
-            loop.join(timeout=10)
+    with serving_broker(tmp_path, "broker.learner_timeout_s=1") as srv:
+        yield srv
 
 
 class SilentLearner(Learner):
