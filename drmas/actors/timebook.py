@@ -3,7 +3,7 @@ waiting for leases (none in flight), loading weights (a publish being received a
 loaded; generation is paused meanwhile). Kept by the actor loop (drmas/actors/main.py),
 sent with every heartbeat (the broker turns them into per-step fractions in
 metrics.jsonl) and written at exit to RUN_DIR/logs/<actor id>.time.json, read by
-benchmarks/bench_async.py and `drmas report`."""
+benchmarks/perf/bench_async.py and `drmas report`."""
 
 from __future__ import annotations
 

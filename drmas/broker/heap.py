@@ -7,7 +7,7 @@ records are untracked (gc=False in drmas.protocol.messages); what is left are li
 collected young with a higher first threshold. Objects alive after start-up (modules,
 config) are frozen out of collections for good.
 
-benchmarks/bench_broker_intake.py measures the effect (results/broker_intake.json).
+benchmarks/perf/bench_broker_intake.py measures the effect (results/broker_intake.json).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The advantage-mode study's statistics and tables (benchmarks/study_*.py), checked
+"""The advantage-mode study's statistics and tables (benchmarks/studies/study_*.py), checked
 against values worked out by hand, on synthetic runs and on the recorded ones."""
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # the benchmarks package
 
-import study_stats  # noqa: E402
-import study_summary  # noqa: E402
-import study_tables  # noqa: E402
+from benchmarks.studies import study_stats, study_summary, study_tables  # noqa: E402
 
 STUDY = ROOT / "benchmarks" / "results" / "study"
 
@@ -120,7 +118,7 @@ def test_provenance_git_state_and_relative_paths(tmp_path: Path) -> None:
     to it."""
     import subprocess
 
-    import study_advantage_modes as study
+    from benchmarks.studies import study_advantage_modes as study
 
     def git(*args: str) -> None:
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
@@ -156,9 +154,9 @@ def test_provenance_git_state_and_relative_paths(tmp_path: Path) -> None:
 def test_the_page_shows_the_tables_the_script_writes() -> None:
     """Every row of docs/results.md's study tables is what the script writes from the
     recorded runs (and the probe's recorded JSONs). If this fails after new runs or a new
-    probe measurement: python benchmarks/study_advantage_modes.py --summarize, then copy
+    probe measurement: python benchmarks/studies/study_advantage_modes.py --summarize, then copy
     the rows of study_summary.md into the page (--compare docs/results.md lists them)."""
-    import study_advantage_modes as study
+    from benchmarks.studies import study_advantage_modes as study
 
     results = study_summary.load_results(STUDY)
     lines = {r["name"]: study.metrics_lines(STUDY, r["name"]) for r in results}
@@ -168,7 +166,7 @@ def test_the_page_shows_the_tables_the_script_writes() -> None:
 
 
 def test_the_lemma_summary_recomputes_from_the_recorded_runs(tmp_path: Path) -> None:
-    import study_lemma
+    from benchmarks.studies import study_lemma
 
     recorded = json.loads((STUDY / "lemma" / "summary.json").read_text())
     fresh = study_lemma.summarize(STUDY / "lemma", write=False)
@@ -188,7 +186,7 @@ def test_the_lemma_summary_recomputes_from_the_recorded_runs(tmp_path: Path) -> 
 
 
 def test_the_lemma_mechanism_averages_each_runs_first_and_last_quarter(tmp_path: Path) -> None:
-    import study_lemma
+    from benchmarks.studies import study_lemma
 
     group = study_lemma.PLAN[0]
     for seed, offset in ((0, 0.0), (1, 1.0)):
@@ -207,7 +205,7 @@ def test_the_lemma_mechanism_averages_each_runs_first_and_last_quarter(tmp_path:
 
 
 def test_the_lemma_dry_run_counts_the_step0_round_in_each_seeds_first_mode() -> None:
-    import study_lemma
+    from benchmarks.studies import study_lemma
 
     smol = next(g for g in study_lemma.PLAN if g.name == "lemma_smol")
     assert smol.step0_minutes > 0
@@ -218,7 +216,7 @@ def test_the_lemma_dry_run_counts_the_step0_round_in_each_seeds_first_mode() -> 
 def test_the_lemma_runner_restricts_to_the_arms_asked_for_and_names_a_wrong_one(
     tmp_path: Path,
 ) -> None:
-    import study_lemma
+    from benchmarks.studies import study_lemma
 
     smol = [g for g in study_lemma.PLAN if g.name == "lemma_smol"]
     (tmp_path / "lemma_smol_step_global_s0.json").write_text("{}")  # done before: skipped
@@ -235,7 +233,7 @@ def test_provenance_counts_untracked_code_and_answers_outside_git(tmp_path: Path
     rather than a made-up commit."""
     import subprocess
 
-    import provenance
+    from benchmarks import provenance
 
     assert provenance.git_state(tmp_path) == {"commit": None, "dirty": None, "dirty_paths": []}
     subprocess.run(["git", "-C", str(tmp_path), "init", "-q"], check=True)

@@ -1,0 +1,1 @@
+"""Speed, memory and scale benchmarks (benchmarks/README.md)."""

@@ -1,0 +1,1 @@
+"""Hostile clients against the broker, alone and beside whole runs (benchmarks/README.md)."""

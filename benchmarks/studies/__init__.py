@@ -1,0 +1,1 @@
+"""Learning studies and their statistics, tables and figures (benchmarks/README.md)."""
