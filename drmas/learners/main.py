@@ -309,8 +309,10 @@ class Learner:
         # A collective over the learner group: every rank runs it to the end, whatever
         # happens to the broadcast on rank 0.
         device = self.sender.device if self.sender is not None else None
+        # no copy: the publish is done with each tensor before the next step changes it
         gathered = _ticking(
-            self.trainer.full_state_dict_iter(device, self.trainer.publish_dtype), self.beat
+            self.trainer.full_state_dict_iter(device, self.trainer.publish_dtype, copy=False),
+            self.beat,
         )
         if self.sender is None or plan is None:
             for _ in gathered:
