@@ -25,6 +25,7 @@ import socket
 import sys
 import time
 import zlib
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -69,6 +70,8 @@ GOODBYE_LINGER_MS = 2000
 """Longest wait on exit for the Goodbye to reach the broker."""
 REASON_CHARS = 300
 """A handed-back lease's reason is clipped to this (the log has the whole error)."""
+LOOP_S = 0.02
+"""Longest turn of the main loop (a running group that finishes ends it at once)."""
 
 
 def is_unknown_client(msg: object) -> bool:
@@ -174,10 +177,20 @@ class Actor:
                 if free > 0 and now - last_ask >= retry_after and not self.quarantined:
                     retry_after = await self.ask_for_leases(free)
                     last_ask = now
-                await asyncio.sleep(0.002 if self.running else 0.02)
+                await self.idle()
         finally:
             beating.cancel()
             await self.stop()
+
+    async def idle(self) -> None:
+        """Between two turns of the loop: until a running group finishes, or LOOP_S (the
+        inbox: weight joins, a Shutdown). Woken by the groups, not a 2 ms poll that took
+        the GIL from the engine's decode thread 500 times a second."""
+        running = list(self.running.values())
+        if running:
+            await asyncio.wait(running, timeout=LOOP_S, return_when=asyncio.FIRST_COMPLETED)
+        else:
+            await asyncio.sleep(LOOP_S)
 
     def versions(self) -> dict[str, int]:
         return {m: e.version for m, e in self.engines.items()}
@@ -322,8 +335,11 @@ class Actor:
                 self.cfg.models[join.model].precision
             )
             want_digest = self.cfg.weights.verify_digest and same_dtype
+            marks = [("pause", time.monotonic())]  # where the load's time went, for the log
             await engine.pause()
+            marks.append(("backup", time.monotonic()))
             backup = engine.backup_weights() if isinstance(engine, RollsBack) else None
+            marks.append(("receive", time.monotonic()))
             held = engine.version
             try:
                 if isinstance(engine, ReceivesWeights):  # its own workers join the group
@@ -339,6 +355,7 @@ class Actor:
                     got = await asyncio.to_thread(self.receiver.receive_into, join, load)
                     if got.tensors == 0:  # a LoRA publish of no adapter: the version alone
                         engine.load_weights([], join.version)
+                    marks.append(("digest", time.monotonic()))
                     if want_digest:
                         digest = engine.weights_digest()
             except Exception as exc:  # a failed sync must not kill the actor: it re-syncs later
@@ -349,8 +366,10 @@ class Actor:
                 if self.quarantined.pop(join.model, None) is not None:
                     log.info("%s v%d loaded: leasing again", join.model, join.version)
             finally:
+                marks.append(("resume", time.monotonic()))
                 await engine.resume()
             seconds = time.monotonic() - start
+            _log_load(join, ok, [*marks, ("", start + seconds)])
             self.client.send(
                 WeightsLoaded(self.id, join.model, join.version, seconds, ok, error, digest)
             )
@@ -414,6 +433,14 @@ class Actor:
         log.info(
             "actor %s stopped (%s); handed back %d leases", self.id, self.stopping, len(unfinished)
         )
+
+
+def _log_load(join: JoinWeightGroup, ok: bool, marks: list[tuple[str, float]]) -> None:
+    """One line per load: its seconds and where they went (`marks`: (phase, start)...)."""
+    parts = ", ".join(f"{what} {b - a:.2f}" for (what, a), (_, b) in pairwise(marks))
+    seconds = marks[-1][1] - marks[0][1]
+    state = "loaded" if ok else "not loaded"
+    log.info("%s v%d %s in %.2fs (%s)", join.model, join.version, state, seconds, parts)
 
 
 def make_workflow(

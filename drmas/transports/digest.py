@@ -21,7 +21,9 @@ class Digest:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         h = hashlib.sha256(str(tensor.dtype).encode())
-        h.update(data.numpy().tobytes())
+        # hashed where it lies (the buffer protocol): a bytes copy of a 538 MB model cost
+        # as much as the hash itself (0.27 s against 0.32 s on a 2-core CPU)
+        h.update(data.numpy().data)
         self._parts[name] = h.hexdigest()
 
     def hexdigest(self) -> str:

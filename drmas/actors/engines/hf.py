@@ -116,6 +116,9 @@ class HFEngine:
         self._adapter_params: dict[str, torch.Tensor] = {}
         """LoRA base: every adapter parameter by its PeftModel name, sorted (what a
         publish carries and the digest covers)."""
+        self._backup: dict[str, torch.Tensor] = {}
+        """backup_weights' host copy, kept between loads: copying into it took 0.05 s for
+        SmolLM2's 538 MB on a 2-core CPU, allocating it anew each load 0.4 s."""
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -254,11 +257,19 @@ class HFEngine:
     def backup_weights(self) -> object:
         """A copy of what a publish may change (on the CPU: every parameter and buffer, or
         a LoRA base's adapters) and the version: what a failed load restores. Costs that
-        much host memory during a load."""
+        much host memory, kept for the next load (one backup at a time: the next call
+        overwrites it)."""
         if self.model is None:
             raise RuntimeError(f"engine {self.model_name!r}: call start() before backup_weights()")
         kept = self._adapter_params if self.adapters else self.model.state_dict()
-        return self.version, {k: v.detach().to("cpu", copy=True) for k, v in kept.items()}
+        with torch.no_grad():
+            for name, value in kept.items():
+                saved = self._backup.get(name)
+                if saved is None or saved.shape != value.shape or saved.dtype != value.dtype:
+                    self._backup[name] = value.detach().to("cpu", copy=True)
+                else:
+                    saved.copy_(value.detach())
+        return self.version, self._backup
 
     def restore_weights(self, backup: object) -> None:
         assert self.model is not None and isinstance(backup, tuple)
