@@ -112,17 +112,28 @@ def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path, Placement | None]:
 
 def thread_plan(cfg: DrmasConfig) -> int:
     """Torch threads for each learner rank and actor `drmas train` starts on this machine:
-    the CPUs it may use shared evenly among them, at least 1 (DRMAS_TORCH_THREADS, when
-    set, wins). The broker is not counted: it is one Python thread, mostly waiting.
-    Oversubscribing is what costs: two learners spinning 2 OpenMP threads each on 2 cores
-    took 10 s per step where 1 thread each took 0.8 s."""
+    the CPUs it may use shared evenly among the processes that compute at the same time,
+    at least 1 (DRMAS_TORCH_THREADS, when set, wins). The broker is not counted: it is one
+    Python thread, mostly waiting.
+
+    Asynchronous (algorithm.max_staleness > 0), actors generate while learners train, so
+    every learner rank and actor shares the CPUs. Synchronous (0), they take turns: the
+    actors generate a batch and wait for its weights while the learners train on it, so
+    each side may use every CPU while the other waits (on 2 cores a SmolLM2 learner step
+    took 0.8x the time on 2 threads than on 1). Oversubscribing is what costs: two
+    learners spinning 2 OpenMP threads each on 2 cores took 10 s per step where 1 thread
+    each took 0.8 s."""
     try:
         asked = env_threads()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if asked is not None:
         return asked
-    processes = sum(cfg.world_size_of(m) for m in cfg.models) + cfg.actor.num_actors
+    learners = sum(cfg.world_size_of(m) for m in cfg.models)
+    actors = cfg.actor.num_actors
+    # synchronous: one side computes while the other waits
+    synchronous = cfg.algorithm.max_staleness == 0
+    processes = max(learners, actors) if synchronous else learners + actors
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cpus or 1) // max(1, processes))
 

@@ -21,6 +21,10 @@ from drmas.learners.entry import cpu_threads
         (16, ["actor.num_actors=3"], 3),  # 16 // 5
         (16, ["learner.world_size=2"], 3),  # 2 models x 2 ranks + 1 actor: 16 // 5
         (1, ["actor.num_actors=4"], 1),  # never 0
+        # synchronous: learners and actors take turns, so each side has every core
+        (2, ["algorithm.max_staleness=0"], 1),  # the 2 learners train at once: 1 each
+        (2, ["algorithm.max_staleness=0", "experiment=tiny_math_shared"], 2),  # 1 learner
+        (16, ["algorithm.max_staleness=0", "actor.num_actors=4"], 4),  # 4 actors at once
     ],
 )
 def test_thread_plan_shares_the_cpus_among_learner_ranks_and_actors(
