@@ -28,8 +28,8 @@ resident memory of all processes together, seconds from launch to the first fini
 step, and held-out accuracy of the final model: greedy, one reply per task on the --num-val
 held-out questions, graded by solo.reward, against the base model's, paired per task.
 
-The load average is read before each run; over --max-load the run is refused unless
---allow-load, and every run records its load. The results file (commit, tree state,
+Before each run the CPUs must be idle (at most --max-busy % busy over 5 s, waiting up to
+5 minutes; else refused unless --allow-load); every run records that and the load average. The results file (commit, tree state,
 machine) is rewritten after each run and a rerun skips the runs it already holds, so a
 study longer than a session resumes where it stopped.
 """
@@ -254,6 +254,22 @@ def paired(after: list[float], before: list[float]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------ driver
+def quiet_check(a: argparse.Namespace) -> float:
+    """The machine's CPU busy % over 5 s before a run (the load average still counts the
+    run that just ended for minutes, so it cannot tell). Over --max-busy for 5 minutes
+    running: refused, unless --allow-load (the figure is recorded either way)."""
+    deadline = time.monotonic() + 300
+    while True:
+        busy = psutil.cpu_percent(interval=5.0)
+        if busy <= a.max_busy or a.allow_load:
+            return busy
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"the CPUs are {busy:.0f} % busy (over --max-busy {a.max_busy}) with nothing "
+                "of this benchmark running: stop what runs (or pass --allow-load, recorded)"
+            )
+
+
 def key(size: int, rnd: int, side: str) -> str:
     return f"{size}/{rnd}/{side}"
 
@@ -269,7 +285,8 @@ def main() -> int:
     ap.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--work", type=Path, default=None, help="run folders (default: a temp dir)")
-    ap.add_argument("--max-load", type=float, default=0.5, help="1-minute load allowed at a start")
+    ap.add_argument("--max-busy", type=float, default=20.0,
+                    help="CPU busy %% (all cores, over 5 s) allowed before a run")  # fmt: skip
     ap.add_argument("--allow-load", action="store_true", help="run (and record) on a busy machine")
     ap.add_argument("--timeout-s", type=float, default=3 * 3600, help="per run")
     ap.add_argument("--summarize", action="store_true", help="only print the summary of --out")
@@ -303,21 +320,17 @@ def main() -> int:
                 k = key(size, rnd, side)
                 if k in results["runs"]:
                     continue
-                load = os.getloadavg()[0]
-                if load > a.max_load and not a.allow_load:
-                    raise SystemExit(
-                        f"load average {load:.2f} > --max-load {a.max_load}: something else "
-                        "is running; stop it (or pass --allow-load, which is recorded)"
-                    )
+                load, busy = os.getloadavg()[0], quiet_check(a)
                 work = work_root / k.replace("/", "_")
                 work.mkdir(parents=True, exist_ok=True)
                 seed = rnd  # every round its own seed: task order and sampling
-                print(f"[{time.strftime('%H:%M:%S')}] {k} (seed {seed}, load {load:.2f})",
-                      flush=True)  # fmt: skip
+                print(f"[{time.strftime('%H:%M:%S')}] {k} (seed {seed}, load {load:.2f}, "
+                      f"CPU busy {busy:.0f} %)", flush=True)  # fmt: skip
                 runner = run_trl if side.startswith("trl") else run_drmas
                 run = runner(a, side, size, seed, work)
                 run |= {"side": side, "size": size, "round": rnd, "seed": seed,
-                        "load_at_start": load, "load_at_end": os.getloadavg()[0],
+                        "load_at_start": load, "cpu_busy_pct_at_start": busy,
+                        "load_at_end": os.getloadavg()[0],
                         "git": git_state(), "at": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
                 run["heldout"] = heldout(Path(run["model"]), a.num_val, size)
                 results["runs"][k] = run
