@@ -31,11 +31,6 @@ import numpy as np
 import pytest
 import torch
 
-if os.environ.get("CI") == "true":
-    import trl  # noqa: F401  (CI installs the peers extra: a missing TRL fails there)
-else:
-    pytest.importorskip("trl", reason="TRL comes with drmas[peers]: pip install -e '.[peers]'")
-
 from drmas.broker.advantages import compute_advantages
 from drmas.config import AgentConfig, DrmasConfig
 from drmas.config.learner import LearnerConfig, LossConfig
@@ -90,10 +85,21 @@ def fixed_batch(vocab: int, avoid: set[int]) -> tuple[list[list[int]], list[list
     return prompts, completions
 
 
+def require_trl() -> None:
+    """TRL, or a skip that says how to get it; under CI=true (which installs the peers
+    extra) a missing TRL fails the test. Checked when a test runs, not at import: the
+    vLLM and torch 2.11 stages collect this file in venvs without TRL and deselect it."""
+    if os.environ.get("CI") == "true":
+        import trl  # noqa: F401
+    else:
+        pytest.importorskip("trl", reason="TRL comes with drmas[peers]: pip install -e '.[peers]'")
+
+
 def trl_side(
     model_path: Path, loss_type: str, scale_rewards: str, tmp_path: Path
 ) -> tuple[np.ndarray, float, dict[str, torch.Tensor], list[list[int]], list[list[int]]]:
     """TRL's advantages, loss and gradients on the fixed batch, all by TRL's own code."""
+    require_trl()
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
