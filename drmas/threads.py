@@ -10,6 +10,9 @@ from __future__ import annotations
 import os
 
 VARIABLE = "DRMAS_TORCH_THREADS"
+CPU_SHARE = "DRMAS_CPU_SHARE"
+"""The folder where the processes of an asynchronous CPU run lend each other idle CPUs
+(drmas/cpu_share.py); set by `drmas train`."""
 
 
 def env_threads() -> int | None:

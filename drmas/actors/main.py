@@ -29,6 +29,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypeVar
 
+from drmas import cpu_share
 from drmas.actors.engines import ReceivesWeights, RollsBack, make_engine
 from drmas.actors.engines.base import Engine
 from drmas.actors.engines.expected import expected_for
@@ -165,6 +166,7 @@ class Actor:
         try:
             while not self.stopping:
                 self.book.tick("generating" if self.running else "waiting_for_leases")
+                cpu_share.set_busy(bool(self.running))  # lends the CPUs while it waits
                 self.drain_inbox()
                 if self.stopping:  # a Shutdown just read: the broker may already be gone,
                     break  # so ask it nothing more (the request would wait out its timeout)
@@ -473,9 +475,7 @@ def run_actor(cfg: DrmasConfig, actor_id: str = "") -> int:
     """Entry point of `drmas actor`: run until the broker says Shutdown, or SIGTERM/SIGINT
     (exit code 0), or until the team's code failed actor.max_failed_groups groups in a row
     (STOP_EXIT_CODE)."""
-    import torch
-
-    torch.set_num_threads(env_threads() or 1)
+    cpu_share.start_process(env_threads() or 1)
     actor = Actor(cfg, actor_id or cfg.actor.id or default_actor_id())
 
     def stop(signum: int, _frame: object) -> None:

@@ -36,7 +36,7 @@ from drmas.launch.progress import Progress
 from drmas.launch.supervisor import Child, Supervisor
 from drmas.launch.team_failures import FailureReports
 from drmas.teams.resolve import resolve
-from drmas.threads import env_threads
+from drmas.threads import CPU_SHARE, env_threads
 from drmas.transports.ports import free_port
 
 if TYPE_CHECKING:
@@ -138,12 +138,26 @@ def thread_plan(cfg: DrmasConfig) -> int:
     return max(1, (cpus or 1) // max(1, processes))
 
 
+def cpu_share_env(cfg: DrmasConfig, run_dir: Path, placement: Placement | None) -> dict[str, str]:
+    """DRMAS_CPU_SHARE for the children of an asynchronous CPU run (placement None) whose
+    threads nobody fixed: learners and actors lend each other the CPUs the other leaves
+    idle (drmas/cpu_share.py). Synchronous runs need it not (each side takes every CPU
+    while the other waits), nor GPU runs, nor a run given DRMAS_TORCH_THREADS or
+    learner.threads (a fixed count is what was asked for)."""
+    fixed = env_threads() is not None or cfg.learner.threads > 0
+    if placement is not None or cfg.algorithm.max_staleness == 0 or fixed:
+        return {}
+    return {CPU_SHARE: str(run_dir / "cpu_share")}
+
+
 def start_children(
     cfg: DrmasConfig, run_dir: Path, sup: Supervisor, placement: Placement | None = None
 ) -> None:
     cli = [sys.executable, "-m", "drmas.launch.cli"]
     config = ["--config", str(run_dir / "config.yaml")]
-    threads = {"DRMAS_TORCH_THREADS": str(thread_plan(cfg))}
+    threads = {"DRMAS_TORCH_THREADS": str(thread_plan(cfg))} | cpu_share_env(
+        cfg, run_dir, placement
+    )
     sup.start("broker", "broker", [*cli, "broker", *config])
     for model in sorted(cfg.models):
         world = cfg.world_size_of(model)

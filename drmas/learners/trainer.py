@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from drmas import cpu_share
 from drmas.learners import model_io, scoring, updates
 from drmas.learners.adapters import AdapterSet
 from drmas.learners.batching import MicroBatch
@@ -128,6 +129,8 @@ class Trainer:
         if entropy_metric is None:
             entropy_metric = self.vocab_size <= 32768
         self.with_entropy = entropy_metric or self.loss_cfg.entropy_coef != 0
+        if self.device.type == "cpu" and cpu_share.start_from_env():
+            cpu_share.follow_layers(self.model)  # threads re-chosen at every layer
 
     def _sharded_policy(self) -> PreTrainedModel | PeftModel:
         """The policy in its master dtype, in train mode, each decoder layer and then the
@@ -174,7 +177,12 @@ class Trainer:
     def step(self, shard: BatchShard, tick: Callable[[], None] = _nothing) -> dict[str, float]:
         """Train on this rank's shard of a batch: `ppo_epochs` passes of `ppo_minibatches`
         optimizer updates each; returns the batch's metrics (identical on every rank).
-        `tick` runs before each micro-batch (heartbeats)."""
+        `tick` runs before each micro-batch (heartbeats). Marked computing for the CPUs
+        an asynchronous CPU run shares (drmas/cpu_share.py)."""
+        with cpu_share.computing():
+            return self._step(shard, tick)
+
+    def _step(self, shard: BatchShard, tick: Callable[[], None]) -> dict[str, float]:
         self._check(shard)
         minibatches = self._minibatches(shard)
         several = len(minibatches) * self.cfg.learner.ppo_epochs > 1

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
+from drmas import cpu_share
 from drmas.actors.engines.base import GenerateRequest, GenerateResult
 from drmas.actors.engines.hf_batch import Batch, is_plain_layer, pad_left, top_p_filter
 from drmas.actors.engines.scheduler import RequestScheduler, Row, hit_stop
@@ -316,6 +317,7 @@ class HFEngine:
 
     def _step(self, newcomers: list[Row]) -> list[tuple[Row, GenerateResult]]:
         """Prefill the newcomers, decode every running row; the rows that finished."""
+        cpu_share.adjust()  # this worker thread's torch threads: the CPUs free right now
         self._finished = []
         with torch.inference_mode():
             if newcomers:
