@@ -8,6 +8,7 @@ from typing import Annotated
 from msgspec import Meta
 
 from drmas.config.types import (
+    MAX_GROUP_EPISODES,
     Device,
     ISCorrection,
     LossAgg,
@@ -102,8 +103,8 @@ class ProbeConfig:
     independent of the sampled actions. Empty = sampled mode: the team's real scores."""
     groups: Annotated[int, Meta(ge=2)] = 64
     """Groups to sample (each of group_size episodes, from the training tasks)."""
-    group_size: NonNegative = 0
-    """Episodes per group; 0 = the run's group_size."""
+    group_size: Annotated[int, Meta(ge=0, le=MAX_GROUP_EPISODES)] = 0
+    """Episodes per group; 0 = the run's group_size (at most 4096)."""
     seed: int = 0
     """Task draw, engine sampling and synthetic scores."""
     baselines: Annotated[list[ProbeBaseline], Meta(min_length=1)] = field(

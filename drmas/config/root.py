@@ -20,6 +20,7 @@ from drmas.config.retrieval import RetrieverConfig
 from drmas.config.task import TaskConfig
 from drmas.config.transport import SecurityConfig, WeightSyncConfig
 from drmas.config.types import (
+    GroupSize,
     NonNegative,
     NonNegativeFloat,
     OpenFraction,
@@ -76,8 +77,8 @@ class ValConfig:
     """Also evaluate before the first step (false: the first round is at step `every`)."""
     num_tasks: Positive = 32
     """Held-out tasks per evaluation."""
-    n: Positive = 4
-    """Samples per task."""
+    n: GroupSize = 4
+    """Samples per task (one group of n episodes, at most 4096)."""
     k: Positive = 4
     """k of avg@k and pass@k (pass@k uses the unbiased estimator over n >= k samples)."""
     temperature: NonNegativeFloat = 0.6
@@ -127,8 +128,8 @@ class DrmasConfig:
 
     run: RunConfig = field(default_factory=RunConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
-    group_size: Positive = 8
-    """G: episodes per task (one group)."""
+    group_size: GroupSize = 8
+    """G: episodes per task (one group; at most 4096, what one group message carries)."""
     batch_groups: Positive = 8
     """B: groups per training batch of each model."""
     models: dict[str, ModelConfig] = field(default_factory=dict)

@@ -25,7 +25,23 @@ def check(cfg: DrmasConfig) -> DrmasConfig:
     _check_one_distribution(cfg)
     _check_batch_scope(cfg)
     _check_sigma_options(cfg)
+    _check_weights_host(cfg.weights.host)
     return dataclasses.replace(cfg, models=used)
+
+
+WILDCARDS = ("", "*", "0.0.0.0", "::", "[::]", "0:0:0:0:0:0:0:0")
+
+
+def _check_weights_host(host: str) -> None:
+    """weights.host is bound by learner rank 0's store and advertised to the actors: a
+    wildcard would expose the store on every interface and give actors nothing to dial."""
+    if host.strip() in WILDCARDS:
+        raise ConfigError(
+            f"weights.host={host!r} is a wildcard: the weight store would listen on every "
+            "interface and actors would be told an address they cannot dial. Set the address "
+            "of this learner that only the run's actors reach (127.0.0.1 on one machine), or "
+            "auto (this node's address on the route to the broker)"
+        )
 
 
 def _check_agents(cfg: DrmasConfig) -> None:

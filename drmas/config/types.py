@@ -9,14 +9,23 @@ from typing import Annotated, Literal
 
 from msgspec import Meta
 
+MAX_GROUP_EPISODES = 4096
+"""Episodes of one group: what one group message may carry on the wire
+(drmas/protocol/wire_limits.py holds the same number; a test keeps them equal)."""
+MAX_SECONDS = 30 * 24 * 3600.0
+"""The longest timeout or interval a config may set (30 days): a timeout is explicit and
+ends; an infinite one (or a typo of many zeros) would let a stuck peer hold a run forever."""
+
 Positive = Annotated[int, Meta(ge=1)]
 """A count of at least one."""
 NonNegative = Annotated[int, Meta(ge=0)]
 """A count where 0 means none / off."""
 Port = Annotated[int, Meta(ge=0, le=65535)]
 """A TCP port; 0 = a free one."""
-Seconds = Annotated[float, Meta(gt=0)]
-"""A timeout or interval: finite and above zero."""
+Seconds = Annotated[float, Meta(gt=0, le=MAX_SECONDS)]
+"""A timeout or interval: above zero and at most 30 days (so never infinite)."""
+GroupSize = Annotated[int, Meta(ge=1, le=MAX_GROUP_EPISODES)]
+"""Episodes of one group (group_size, val.n): at most what one group message can carry."""
 NonNegativeFloat = Annotated[float, Meta(ge=0)]
 """A rate, latency or coefficient that may be zero."""
 PositiveFloat = Annotated[float, Meta(gt=0)]

@@ -80,7 +80,7 @@ def test_drmas_config_prints_the_resolved_config(capsys: pytest.CaptureFixture) 
     assert "clip_low: 0.1" in capsys.readouterr().out
     assert cli(["config", "val", "experiment=search_tiny", "--docs"]) == 0
     out = capsys.readouterr().out
-    assert "val.n: 2  # Samples per task." in out
+    assert "val.n: 2  # Samples per task (one group of n episodes, at most 4096)." in out
     assert cli(["config", "algorithm.los"]) == 2
     assert "did you mean algorithm.loss" in capsys.readouterr().err
 

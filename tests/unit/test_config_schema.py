@@ -62,6 +62,13 @@ EXAMPLE = REPO / "examples" / "proposer_critic" / "team.py"
             "+probe.rewards={solver: [0.5]}",
             r"probe\.rewards\.solver=\[0\.5\]: expected array of length >= 2",
         ),
+        # what one group message can carry, and timeouts that end
+        ("group_size=5000", r"group_size=5000: expected int <= 4096"),
+        ("val.n=5000", r"val\.n=5000: expected int <= 4096"),
+        ("probe.group_size=4097", r"probe\.group_size=4097: expected int <= 4096"),
+        ("broker.lease_timeout_s=inf", r"broker\.lease_timeout_s=inf: expected float <= 2592000"),
+        ("weights.timeout_s=1e12", r"weights\.timeout_s=1000000000000\.0: expected float <= "),
+        ("broker.heartbeat_timeout_s=nan", r"broker\.heartbeat_timeout_s=nan: expected float > 0"),
         # types
         ("learner.timeout_s=soon", r"learner\.timeout_s='soon': expected float, got str"),
     ],
@@ -81,6 +88,8 @@ def test_each_field_constraint_is_refused_with_key_value_and_what_is_allowed(
          r"share model 'solver' but set different lr"),
         (["val.n=2", "val.k=4"], r"val\.n \(2\) must be >= val\.k \(4\)"),
         (["group_size=1"], r"group_size must be >= 2 for group-relative advantages"),
+        (["weights.host=0.0.0.0"], r"weights\.host='0\.0\.0\.0' is a wildcard: .* Set the address"),
+        (["weights.host=::"], r"weights\.host='::' is a wildcard"),
         (["task.name=jsonl"], r"task\.name=jsonl needs task\.train_path=FILE"),
         (["+actor.pools={critic: {name: sim}}"], r"actor\.pools names \['critic'\]"),
         (["models.solver.dtype=bfloat16"], r"models\.solver\.dtype='bfloat16' was replaced by models\.solver\.precision"),
@@ -228,3 +237,10 @@ def test_sigma_options_where_they_would_do_nothing_are_refused(
     with pytest.raises(ConfigError, match=refusal):
         load_config(overrides)
     load_config([o for o in overrides if "mode=" not in o and "norm_by_std" not in o])
+
+
+def test_the_config_bound_on_a_group_is_what_the_wire_carries() -> None:
+    from drmas.config import types
+    from drmas.protocol import wire_limits
+
+    assert types.MAX_GROUP_EPISODES == wire_limits.MAX_GROUP_EPISODES
