@@ -72,13 +72,16 @@ SAMPLE_S = 0.5
 # ----------------------------------------------------------------- process trees
 class TreeSampler(threading.Thread):
     """CPU-seconds and resident memory of a process and its descendants, every SAMPLE_S:
-    samples of (time.time(), cumulative CPU s, RSS bytes). A child that exits keeps the CPU
-    it was last seen with, so the cumulative figure never goes down."""
+    samples of (time.time(), cumulative CPU s, RSS bytes, PSS bytes). A child that exits
+    keeps the CPU it was last seen with, so the cumulative figure never goes down. RSS
+    summed over processes counts every shared page (torch's libraries, in each of drmas's
+    four processes) once per process; PSS divides each shared page among its sharers, so
+    its sum is the memory the tree really holds."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.root = psutil.Process(pid)
-        self.samples: list[tuple[float, float, int]] = []
+        self.samples: list[tuple[float, float, int, int]] = []
         self.cpu: dict[int, float] = {}
         self.done = threading.Event()
 
@@ -89,7 +92,7 @@ class TreeSampler(threading.Thread):
         self.sample()
 
     def sample(self) -> None:
-        rss = 0
+        rss = pss = 0
         try:
             procs = [self.root, *self.root.children(recursive=True)]
         except psutil.Error:
@@ -99,19 +102,33 @@ class TreeSampler(threading.Thread):
                 t = p.cpu_times()
                 self.cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
                 rss += p.memory_info().rss
+                pss += _pss(p.pid)
             except psutil.Error:
                 continue
-        self.samples.append((time.time(), sum(self.cpu.values()), rss))
+        self.samples.append((time.time(), sum(self.cpu.values()), rss, pss))
 
     def cpu_at(self, when: float) -> float:
         """Cumulative CPU-seconds at wall-clock `when`, interpolated between samples."""
         s = self.samples
         if not s or when <= s[0][0]:
             return s[0][1] if s else 0.0
-        for (t0, c0, _), (t1, c1, _) in itertools.pairwise(s):
+        for (t0, c0, *_), (t1, c1, *_) in itertools.pairwise(s):
             if t0 <= when <= t1:
                 return c0 + (c1 - c0) * (when - t0) / max(t1 - t0, 1e-9)
         return s[-1][1]
+
+
+def _pss(pid: int) -> int:
+    """Proportional set size of `pid` in bytes (the kernel's sum in smaps_rollup); 0 where
+    the kernel does not give it."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def run_tree(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float) -> TreeSampler:
@@ -214,6 +231,7 @@ def measure(
         "cpu_s_each": cpus,
         "split_each": split[1:] or split,
         "peak_rss_gb": max((s[2] for s in tree.samples), default=0) / 1e9,
+        "peak_pss_gb": max((s[3] for s in tree.samples), default=0) / 1e9,
         "first_step_done_s": bounds[0][1] - tree.started,  # type: ignore[attr-defined]
         "total_s": tree.samples[-1][0] - tree.started if tree.samples else None,  # type: ignore[attr-defined]
         "model": str(model),
@@ -375,6 +393,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 "wall_vs_best_trl": _geo(ratios),
                 "cpu_vs_best_trl": _geo(cpu_ratios),
                 "peak_rss_gb": max(r["peak_rss_gb"] for r in mine),
+                "peak_pss_gb": max((r.get("peak_pss_gb", 0.0) for r in mine), default=0.0),
+                "commits": sorted({(r.get("git", {}).get("commit") or "?")[:7] for r in mine}),
                 "first_step_done_s": statistics.median(r["first_step_done_s"] for r in mine),
                 "heldout_after": statistics.fmean(last["heldout"]),
                 "heldout_after_minus_before": paired(last["heldout"], before) if before else None,
