@@ -43,6 +43,7 @@ from drmas.broker.heap import tune_gc
 from drmas.broker.intake import FrameLimits, Intake, Refusal
 from drmas.broker.leases import LeaseRecord
 from drmas.broker.metrics import NullSink, StepMetrics
+from drmas.broker.peer_label import peer_label
 from drmas.broker.routes import Routes
 from drmas.broker.samples import SampleWriter, transcript_markdown
 from drmas.broker.state import BrokerState
@@ -301,7 +302,7 @@ class BrokerServer:
         reason = clip(reason, 500)  # neither a log line nor a reply grows with the input
         if self._refusal_log.allow((code, refused)):  # a flood is logged, not every message
             log.warning(
-                "refused %s from %r: %s: %s", refused or "frame", identity[:64], code, reason
+                "refused %s from %s: %s: %s", refused or "frame", peer_label(identity), code, reason
             )
         # the sender may be gone or unreachable: then there is nothing to answer
         try:

@@ -72,6 +72,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from drmas.broker.peer_label import peer_label
+
 log = logging.getLogger("drmas.broker")
 
 SCAN_S = 0.02
@@ -281,8 +283,8 @@ class WireWatch:
             self.floods += 1
             if self.floods == 1 or self.floods % 100 == 0:
                 log.warning(
-                    "connection %d (%r) holds more unread bytes than it may send: shut "
-                    "(%d so far)", fd, conn.identity[:64], self.floods,
+                    "connection %d (%s) holds more unread bytes than it may send: shut "
+                    "(%d so far)", fd, peer_label(conn.identity), self.floods,
                 )  # fmt: skip
             self.flood(fd, conn.identity)
 

@@ -38,7 +38,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -113,6 +115,20 @@ class _RouterSocket(zmq.Socket):
             release()
 
 
+def seed_routing_ids() -> None:
+    """Seed the counter libzmq numbers a ROUTER's connections from, before the socket exists.
+
+    libzmq draws a ROUTER's first routing id for connections that do not name themselves
+    from libc's rand(), which nothing seeded: every broker gave out 0x6B8B4567,
+    0x6B8B4568, ... and a client that took the next number as its own id made libzmq
+    abort the broker (an assertion, exit -6) when the counter reached it. Seeded from the
+    OS, the counter starts where nobody can guess (the broker never logs ids:
+    drmas/broker/peer_label.py). libzmq calls the process's libc, so seeding it here is
+    seeding libzmq; nothing else in drmas uses libc's rand()."""
+    libc = ctypes.CDLL(None)
+    libc.srand(ctypes.c_uint(int.from_bytes(os.urandom(4), "little")))
+
+
 def bind_router(
     ctx: zmq.Context,
     address: str,
@@ -126,6 +142,7 @@ def bind_router(
     """
     security = security or SecurityConfig()
     check_bind(address, security)
+    seed_routing_ids()
     sock = ctx.socket(zmq.ROUTER, socket_class=_RouterSocket)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE)
