@@ -151,27 +151,33 @@ def ask_status(
 def print_tables(reply: StatusReply) -> None:
     """The run's line, then tables of models, actors and counters."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
+    # every name below comes from a client of the broker: printed as text, never as markup
     console = Console()
     console.print(
-        f"run {reply.run_id}  up {reply.uptime_s:.0f}s  in flight {reply.in_flight_groups} groups"
+        f"run {escape(reply.run_id)}  up {reply.uptime_s:.0f}s  in flight {reply.in_flight_groups} groups"
         f"  done={reply.done}"
     )
     models = Table("model", "version", "buffered groups", "batches cut", "learner ranks")
     for name, m in sorted(reply.models.items()):
         models.add_row(
-            name, str(m.version), str(m.buffered_groups), str(m.batches_cut), str(m.learner_ranks)
+            escape(name),
+            str(m.version),
+            str(m.buffered_groups),
+            str(m.batches_cut),
+            str(m.learner_ranks),
         )
     console.print(models)
     actors = Table("actor", "host", "pid", "versions", "leases", "groups", "episodes", "last seen")
     for a in reply.actors:
         versions = " ".join(f"{k}=v{v}" for k, v in sorted(a.versions.items()))
         actors.add_row(
-            a.client_id,
-            a.host,
+            escape(a.client_id),
+            escape(a.host),
             str(a.pid),
-            versions,
+            escape(versions),
             str(a.leases),
             str(a.groups_done),
             str(a.episodes_done),
@@ -180,5 +186,5 @@ def print_tables(reply: StatusReply) -> None:
     console.print(actors)
     counters = Table("counter", "value")
     for k, v in sorted(reply.counters.items()):
-        counters.add_row(k, str(v))
+        counters.add_row(escape(k), str(v))
     console.print(counters)

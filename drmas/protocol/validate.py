@@ -56,6 +56,12 @@ def _fail(reason: str) -> NoReturn:
 def check_hello(msg: Hello, limits: Limits) -> None:
     if not msg.client_id or len(msg.client_id) > limits.max_id_chars:
         _fail(f"client_id must be 1..{limits.max_id_chars} characters")
+    for field, value in (("client_id", msg.client_id), ("host", msg.host)):
+        if not value.isprintable():  # a newline would forge a broker log line
+            _fail(
+                f"{field} {value[:64]!r} holds control characters (newline, tab, escape): "
+                "use printable text"
+            )
     if len(msg.models) > len(limits.vocab_sizes):
         _fail(f"{len(msg.models)} models named; this run trains {sorted(limits.vocab_sizes)}")
     unknown = sorted(set(msg.models) - set(limits.vocab_sizes))

@@ -403,6 +403,13 @@ def test_check_hello_and_lease_request_refusals() -> None:
         LIMITS,
         match="client_id",
     )
+    for field, bad in (("client_id", "a\n2026 broker INFO forged"), ("host", "h\x1b[2J")):
+        _invalid(
+            check_hello,
+            m.Hello(**{"role": "actor", "client_id": "a", "protocol_version": 1, field: bad}),
+            LIMITS,
+            match=f"{field} .* holds control characters",
+        )
     _invalid(
         check_hello,
         m.Hello(role="actor", client_id="a", protocol_version=1, models=["huge"]),

@@ -104,3 +104,23 @@ def test_status_of_a_run_folder_asks_its_broker(
     assert received and isinstance(received[0], StatusRequest)
     shown = json.loads(out)
     assert shown["run_id"] == "run7" and shown["counters"] == {"refused/too_big": 2}
+
+
+def test_names_from_clients_are_printed_as_text_never_as_markup(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An actor's host or id is whatever its Hello said: rich markup in it crashed the
+    table (a closing tag without an opening one) or would have styled the output."""
+    from drmas.launch.status import print_tables
+    from drmas.protocol.messages import ActorStatus, ModelStatus
+
+    monkeypatch.setenv("COLUMNS", "400")  # one line per row: the names stay whole
+    host = "[/bold][link=http://x]evil[/link]"
+    actor = ActorStatus("actor-[red]1[/red]", host, 7, {"m[b]": 1}, 0, 0, 0, 1.0)
+    reply = StatusReply(
+        "run[/]", 3.0, [actor], {"m[/i]": ModelStatus(1, 0, 0, 1)}, 0, 0, {"c[/u]": 1}, False
+    )
+    print_tables(reply)  # raised rich.errors.MarkupError before
+    out = capsys.readouterr().out
+    for text in (host, "actor-[red]1[/red]", "run[/]", "m[/i]", "m[b]=v1", "c[/u]"):
+        assert text in out
