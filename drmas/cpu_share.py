@@ -31,7 +31,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -198,24 +198,17 @@ def start_process(threads: int) -> None:
     start_from_env()
 
 
-def follow_layers(model: torch.nn.Module) -> int:
-    """Adjust before each decoder layer's forward and backward of `model` (the first
-    ModuleList of several modules: a transformers model's layers); returns how many
-    layers it follows (0 when sharing is off or the model has no such list)."""
+def follow_layers(layers: Iterable[torch.nn.Module]) -> int:
+    """Adjust before each of `layers`' forward and backward (a model's decoder layers);
+    returns how many it follows (0 when sharing is off)."""
     if _share is None:
         return 0
-    import torch
-
-    layers = next(
-        (m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1),
-        None,
-    )
-    if layers is None:
-        return 0
+    count = 0
     for layer in layers:
         layer.register_forward_pre_hook(_before_layer)
         layer.register_forward_hook(_after_layer)
-    return len(layers)
+        count += 1
+    return count
 
 
 def _before_layer(module: torch.nn.Module, args: Any) -> None:

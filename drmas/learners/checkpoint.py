@@ -52,6 +52,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from drmas.checkpoints import store
 from drmas.checkpoints import tensors as files
 from drmas.checkpoints.store import CheckpointError
+from drmas.finite import describe, non_finite_names
+from drmas.transports.digest import digest_of
 
 if TYPE_CHECKING:
     from drmas.learners.trainer import Trainer
@@ -86,13 +88,17 @@ def save(trainer: Trainer, model_dir: Path, version: int, keep: int) -> Path:
         "rng": rng_numbers,
     }
     files.write_rank(tmp, rank, out, doc)
-    digests: list[Any] = [None] * world
-    dist.all_gather_object(digests, digest)  # also: every rank's files are written
+    mine = (digest, weights_digest(out))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)  # also: every rank's files are written
     final = model_dir / store.step_name(version)
     if rank == 0:
         extra: dict[str, Any] = {
-            "model": trainer.name, "optim_digests": digests, "format": store.FORMAT
-        }  # fmt: skip
+            "model": trainer.name,
+            "optim_digests": [g[0] for g in gathered],
+            "weights_digests": [g[1] for g in gathered],
+            "format": store.FORMAT,
+        }
         if trainer.lora:
             extra["adapter_versions"] = dict(trainer.lora.versions)
         final = store.commit(tmp, version, world, extra)
@@ -119,6 +125,7 @@ def load(trainer: Trainer, checkpoint: store.Checkpoint) -> str:
             f"learner group has {trainer.world_size}; resume with the same world size"
         )
     saved, doc = files.read_rank(checkpoint.path, trainer.rank)
+    _refuse_damaged(trainer, checkpoint, manifest, saved)
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_TRAINED)
     where = checkpoint.path / files.layout_name(trainer.rank)
     with torch.no_grad():
@@ -144,6 +151,63 @@ def load(trainer: Trainer, checkpoint: store.Checkpoint) -> str:
         trainer.name, trainer.rank, checkpoint.path, checkpoint.version, digest,
     )  # fmt: skip
     return digest
+
+
+# ---------------------------------------------------------------- damaged weights
+def weights_digest(saved: dict[str, torch.Tensor]) -> str:
+    """Fingerprint of one rank's model shards (the `model/` keys of its file), recorded per
+    rank in the manifest at save and compared at load."""
+    return digest_of((k, t) for k, t in sorted(saved.items()) if k.startswith("model/"))
+
+
+def _refuse_damaged(
+    trainer: Trainer,
+    checkpoint: store.Checkpoint,
+    manifest: dict[str, Any] | None,
+    saved: dict[str, torch.Tensor],
+) -> None:
+    """Collective: raise CheckpointError on every rank when any rank's model shards differ
+    from the digest saved with them or hold NaN or inf (bytes changed on disk, or a
+    checkpoint written before saves were checked). A damaged checkpoint used to load
+    silently, go out to the actors and crash them later with a misleading message."""
+    where = checkpoint.path / files.tensors_name(trainer.rank)
+    problem = ""
+    recorded = (manifest or {}).get("weights_digests")
+    mine = (
+        recorded[trainer.rank]
+        if isinstance(recorded, list) and len(recorded) > trainer.rank
+        else None
+    )
+    if mine is not None and mine != weights_digest(saved):
+        problem = f"{where}: its weights differ from the digest saved with them"
+    if not problem:
+        bad = non_finite_names((k, t) for k, t in sorted(saved.items()) if k.startswith("model/"))
+        if bad:
+            problem = f"{where}: NaN or inf in {describe(bad)}"
+    problems: list[Any] = [None] * trainer.world_size
+    dist.all_gather_object(problems, problem)
+    found = [p for p in problems if p]
+    if found:
+        raise CheckpointError(f"{'; '.join(found)}. {_instead(checkpoint)}")
+
+
+def _instead(checkpoint: store.Checkpoint) -> str:
+    """What to resume from instead of a damaged `checkpoint`."""
+    folder = checkpoint.path
+    earlier = [c for c in store.complete(folder.parent) if c.version < checkpoint.version]
+    aside = f"mv {folder} {folder.parent}/damaged-{folder.name}"
+    if not earlier:
+        return (
+            f"It is the oldest checkpoint of {folder.parent.name}: set it aside ({aside}) "
+            "and resume (the run restarts that model from its initial weights), or start anew"
+        )
+    good = earlier[-1]
+    return (
+        f"Its weights are not loaded nor sent to the actors. The newest earlier checkpoint "
+        f"is {good.path} (v{good.version}): set this one aside ({aside}) and resume again "
+        "(drmas train run.resume=RUN_DIR); the run then continues from the newest checkpoint "
+        "every model has"
+    )
 
 
 # ---------------------------------------------------------------- state <-> files

@@ -310,10 +310,7 @@ class Learner:
         # happens to the broadcast on rank 0.
         device = self.sender.device if self.sender is not None else None
         # no copy: the publish is done with each tensor before the next step changes it
-        gathered = _ticking(
-            self.trainer.full_state_dict_iter(device, self.trainer.publish_dtype, copy=False),
-            self.beat,
-        )
+        gathered = _ticking(self.trainer.weights_out(device, self.version), self.beat)
         if self.sender is None or plan is None:
             for _ in gathered:
                 pass

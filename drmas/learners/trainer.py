@@ -25,10 +25,12 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from drmas import cpu_share
+from drmas.finite import describe, finite
 from drmas.learners import model_io, scoring, updates
 from drmas.learners.adapters import AdapterSet
 from drmas.learners.batching import MicroBatch
 from drmas.learners.loss import policy_loss
+from drmas.learners.sharding import decoder_layers, precision_plan
 from drmas.protocol.arrays import unpack_ids
 from drmas.protocol.messages import BatchShard
 from drmas.transports.weights import TensorSpec
@@ -53,33 +55,6 @@ _TOKEN_MEANS = {
 
 def _nothing() -> None:
     pass
-
-
-def precision_plan(precision: str) -> tuple[torch.dtype, MixedPrecisionPolicy | None]:
-    """ModelConfig.precision -> (dtype of the weights AdamW updates, FSDP2 policy).
-    bf16-mixed keeps fp32 masters and optimizer state; FSDP2 casts each layer's weights to
-    bf16 when it gathers them for forward/backward and reduces gradients in fp32."""
-    if precision == "fp32":
-        return torch.float32, None
-    if precision == "bf16-mixed":
-        return torch.float32, MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-        )
-    if precision == "bf16-pure":
-        return torch.bfloat16, None
-    raise ValueError(f"precision {precision!r} is not fp32, bf16-mixed or bf16-pure")
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks to shard one by one (HF causal LMs keep them in model.layers;
-    a PeftModel keeps the causal LM in get_base_model())."""
-    get_base_model = getattr(model, "get_base_model", None)
-    base = get_base_model() if callable(get_base_model) else model
-    inner = getattr(base, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no .model.layers to shard")
-    return list(layers)
 
 
 class Trainer:
@@ -125,12 +100,13 @@ class Trainer:
         )
         if self.lora:
             self.lora.init_optimizer_state(self.optimizer)
+        self.refuse_non_finite(0, "start")
         self.reference = self._reference()
         if entropy_metric is None:
             entropy_metric = self.vocab_size <= 32768
         self.with_entropy = entropy_metric or self.loss_cfg.entropy_coef != 0
         if self.device.type == "cpu" and cpu_share.start_from_env():
-            cpu_share.follow_layers(self.model)  # threads re-chosen at every layer
+            cpu_share.follow_layers(decoder_layers(self.model))  # threads chosen per layer
 
     def _sharded_policy(self) -> PreTrainedModel | PeftModel:
         """The policy in its master dtype, in train mode, each decoder layer and then the
@@ -410,19 +386,39 @@ class Trainer:
             return self.lora.specs(self.model, self.publish_dtype, adapters)
         return model_io.param_specs(self.model, self.publish_dtype)
 
-    def refuse_non_finite(self, step: int) -> None:
-        """Raise NonFiniteWeights if `step` left NaN or inf in what this model trains (every
-        rank gets the same answer from `non_finite`, so all stop together)."""
+    def refuse_non_finite(self, version: int, when: str = "step") -> None:
+        """Raise NonFiniteWeights if the weights hold NaN or inf (every rank gets the same
+        answer from `non_finite`, so all stop together): after the step to `version`
+        ("step"), in the model folder at start ("start") or just before a publish of
+        `version` ("publish": the weights came from checked states, so it is a fault)."""
         bad = self.non_finite()
-        if bad:
-            more = ", ..." if len(bad) > 3 else ""
-            raise NonFiniteWeights(
-                f"{self.name}: step {step} left NaN or inf in {len(bad)} parameter(s) "
-                f"({', '.join(bad[:3])}{more}); they are not published to the actors (they keep "
-                f"serving v{step - 1}) nor saved. Lower models.{self.name}.lr (or "
-                "learner.grad_clip) and continue from the last checkpoint: drmas train "
-                "run.resume=RUN_DIR ..."
-            )
+        if not bad:
+            return
+        where = {
+            "step": f"step {version} left NaN or inf in",
+            "start": f"the weights in {self.source} hold NaN or inf in",
+            "publish": f"v{version} holds NaN or inf, about to be published, in",
+        }[when]
+        what = {
+            "step": f"they are not published to the actors (they keep serving v{version - 1}) "
+            f"nor saved. Lower models.{self.name}.lr (or learner.grad_clip) and continue from "
+            "the last checkpoint: drmas train run.resume=RUN_DIR ...",
+            "start": "nothing was trained or sent: fix or replace that model folder",
+            "publish": "not sent to the actors (they keep the version they hold); continue "
+            "from the last checkpoint: drmas train run.resume=RUN_DIR ...",
+        }[when]
+        raise NonFiniteWeights(
+            f"{self.name}: {where} {len(bad)} parameter(s) ({describe(bad)}); {what}"
+        )
+
+    def weights_out(
+        self, device: torch.device | str | None, version: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a publish of `version` streams (full_state_dict_iter in the publish dtype,
+        no copies), the weights checked finite first: every publish, republishes included
+        (a collective: every rank must call it)."""
+        self.refuse_non_finite(version, "publish")
+        return self.full_state_dict_iter(device, self.publish_dtype, copy=False)
 
     def non_finite(self) -> list[str]:
         """The trainable parameters that hold a NaN or an inf on any rank, by name, sorted
@@ -474,16 +470,6 @@ class Trainer:
 
 class NonFiniteWeights(RuntimeError):
     """An optimizer step left NaN or inf in the model: nothing of it is published or saved."""
-
-
-def finite(tensor: torch.Tensor) -> bool:
-    """No NaN and no inf in `tensor`: its min and max are finite (both propagate a NaN).
-    One pass without a [numel] bool tensor: 0.02 s for SmolLM2's 538 MB on a CPU core,
-    where isfinite(t).all() took 0.8 s."""
-    if tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor.reshape(-1))
-    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def _fused_adam_ok(device: torch.device, model: torch.nn.Module) -> bool | None:

@@ -69,7 +69,8 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def learner_worker(rank: int, init: str, cfg, shard, out: str) -> None:
     import torch.distributed as dist
 
-    from drmas.learners.trainer import Trainer, decoder_layers
+    from drmas.learners.sharding import decoder_layers
+    from drmas.learners.trainer import Trainer
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

@@ -347,3 +347,78 @@ def test_models_resumed_at_different_versions_get_every_step_line_again(tmp_path
         st.metrics.report(step, "verifier", "step", {"loss/verifier": 1.0}, {})
         st.metrics.report(step, "verifier", "publish", {}, {})
     assert [line["step"] for line in sink.lines] == [1, 2]  # 3 waits for the solver too
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's header length and header (names, dtypes, byte offsets)."""
+    import struct
+
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return length, json.loads(f.read(length))
+
+
+def _poison_file(path: Path, key: str, value: float) -> None:
+    """Overwrite the first element of tensor `key` in a safetensors file in place (the
+    file's size kept): what a bit flip or a hostile edit on disk does."""
+    import struct
+
+    size = path.stat().st_size
+    length, header = _header(path)
+    assert header[key]["dtype"] == "F32"
+    with path.open("r+b") as f:
+        f.seek(8 + length + header[key]["data_offsets"][0])
+        f.write(struct.pack("<f", value))
+    assert path.stat().st_size == size
+
+
+@pytest.mark.parametrize("digest", [True, False])
+def test_a_damaged_checkpoint_is_refused_naming_its_file_and_the_last_good_one(
+    tmp_path: Path, digest: bool
+) -> None:
+    """A NaN written into a checkpoint's weights used to load silently and go out to the
+    actors. It is refused by the weights digest the manifest records (digest=True) and,
+    for a checkpoint saved without one, by the finiteness check (digest=False)."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from drmas.checkpoints.tensors import tensors_name
+    from drmas.learners import checkpoint as ckpt
+    from drmas.learners.trainer import Trainer
+    from tests.integration.test_fsdp_learner import MODEL, make_config, tiny_qwen2
+
+    dist.init_process_group("gloo", init_method=gloo_init(), rank=0, world_size=1)
+    try:
+        cfg = make_config(tiny_qwen2(tmp_path / "hf"))
+        a = Trainer(cfg, MODEL, 0, 1, "cpu")
+        model_dir = tmp_path / "ckpt" / MODEL
+        first = ckpt.save(a, model_dir, 1, keep=3)
+        second = ckpt.save(a, model_dir, 2, keep=3)
+        manifest = store.read_manifest(second)
+        assert manifest is not None and len(manifest["weights_digests"]) == 1
+        if not digest:  # as a checkpoint of an older drmas: no digest to compare
+            manifest.pop("weights_digests")
+            (second / "manifest.json").write_text(json.dumps(manifest))
+        file = second / tensors_name(0)
+        key = next(
+            k
+            for k in json.loads(
+                file.read_bytes()[8:][: int.from_bytes(file.read_bytes()[:8], "little")]
+            )
+            if k.startswith("model/") and "mlp" in k
+        )
+        _poison_file(file, key, float("nan"))
+        b = Trainer(cfg, MODEL, 0, 1, "cpu")
+        checkpoint = store.find(model_dir, 2)
+        assert checkpoint is not None
+        with pytest.raises(store.CheckpointError) as err:
+            ckpt.load(b, checkpoint)
+        text = str(err.value)
+        assert str(file) in text
+        assert ("differ from the digest" in text) == digest
+        assert digest or f"NaN or inf in {key}" in text
+        assert f"{first} (v1)" in text and f"mv {second} " in text
+        assert b.non_finite() == []  # nothing of it was copied into the model
+        ckpt.load(b, store.find(model_dir, 1))  # the good one loads
+    finally:
+        dist.destroy_process_group()

@@ -95,7 +95,7 @@ def test_the_agent_that_acts_alone_has_the_updates_gradient_norm(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_finite_finds_every_nan_and_inf(dtype: torch.dtype, bad: float) -> None:
-    from drmas.learners.trainer import finite
+    from drmas.finite import finite
 
     values = torch.randn(4097).to(dtype)
     assert finite(values) and bool(torch.isfinite(values).all())

@@ -99,3 +99,40 @@ def test_the_learner_stops_before_reporting_or_publishing() -> None:
     with pytest.raises(NonFiniteWeights):
         learner.step(cast(Any, None), waited_s=0.0)
     assert checked == [7] and learner.version == 6 and reports == []  # no StepReport
+
+
+def test_every_publish_checks_the_weights_it_sends(model_path: Path, group: None) -> None:
+    """Republishes included: the stream a publish sends is checked when it is asked for."""
+    from drmas.learners.trainer import Trainer
+
+    trainer = Trainer(config(model_path), "policy", 0, 1, "cpu")
+    assert [n for n, _ in trainer.weights_out("cpu", 3)]  # finite: the stream comes
+    name = poison(trainer, "layers.1.self_attn", float("nan"))
+    with pytest.raises(NonFiniteWeights) as err:
+        trainer.weights_out("cpu", 3)
+    assert f"v3 holds NaN or inf, about to be published, in 1 parameter(s) ({name})" in str(
+        err.value
+    )
+    assert "not sent to the actors" in str(err.value)
+
+
+def test_a_model_folder_with_nan_is_refused_before_anything_trains(
+    model_path: Path, group: None, tmp_path: Path
+) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from drmas.learners.trainer import Trainer
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_path, folder)
+    weights = next(folder.glob("*.safetensors"))
+    state = load_file(str(weights))
+    name = next(k for k in state if "layers.0.mlp" in k)
+    state[name].view(-1)[0] = float("inf")
+    save_file(state, str(weights), metadata={"format": "pt"})
+    with pytest.raises(NonFiniteWeights) as err:
+        Trainer(config(folder), "policy", 0, 1, "cpu")
+    assert f"the weights in {folder} hold NaN or inf" in str(err.value)
+    assert "fix or replace that model folder" in str(err.value)

@@ -6,7 +6,7 @@ import pytest
 
 from drmas.config import ConfigError, load_config
 from drmas.config.model import weights_dtype
-from drmas.learners.trainer import precision_plan
+from drmas.learners.sharding import precision_plan
 
 
 def test_default_is_fp32_and_search_recipe_trains_fp32_masters() -> None:

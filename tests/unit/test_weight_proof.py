@@ -358,3 +358,21 @@ def test_a_peer_in_the_group_without_the_token_cannot_kill_rank_0() -> None:
         rogue.close(ok=False)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_with_a_correct_digest_never_reach_the_engine(sender, value) -> None:
+    """A rank 0 that sends NaN or inf with a digest that matches them (a learner of
+    another version, or a broken one): the bucket holding them is refused before `load`
+    sees it, so no engine (hf, SGLang, vLLM's workers) makes them live."""
+    state = model()
+    state[3][1][0] = value  # b.bias: in the fp32 bucket, which comes second
+    thread, _out = in_thread(lambda: sender.publish("g9", 2, state, 10.0))
+    receiver = WeightReceiver()
+    loaded, error = receive(receiver, join(sender, "g9"), expected_of(state, "m"))
+    thread.join(30)
+    receiver.close()
+    assert isinstance(error, WeightSyncError) and "NaN or inf in b.bias" in str(error)
+    assert "not making them live" in str(error)
+    assert [n for n, _ in loaded] == ["b.weight"]  # the bf16 bucket only: finite
+    assert all(torch.isfinite(t).all() for _, t in loaded)

@@ -17,7 +17,9 @@ What arrives proves itself before the engine may serve it:
   tensors add up to, whatever bucket size rank 0 announces;
 - the bytes: with a digest trailer, a digest of everything received is compared with it
   after the last bucket; a mismatch raises WeightSyncError, and the actor rolls the engine
-  back or quarantines it exactly as on a failed load (the engine is paused throughout).
+  back or quarantines it exactly as on a failed load (the engine is paused throughout);
+- the values: a bucket holding NaN or inf raises WeightSyncError before it is handed on
+  (drmas/finite.py), whatever the digest says.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from drmas.config.transport import WeightSyncConfig
+from drmas.finite import describe, non_finite_names
 from drmas.protocol.messages import JoinWeightGroup
 from drmas.transports.digest import Digest
 from drmas.transports.weights.group import (
@@ -207,6 +210,7 @@ class WeightReceiver:
                 if digest is not None:
                     for name, tensor in batch:
                         digest.add(name, tensor)
+                _refuse_non_finite(batch, group)
                 yield batch
                 self._buffers.give(flat, cap)
             if digest is not None:
@@ -248,3 +252,15 @@ class WeightReceiver:
         payload = torch.empty(size, dtype=torch.uint8, device=self.device)
         group.broadcast(payload, "header")
         return decode_header(payload.cpu().numpy().tobytes(), group.where.group)
+
+
+def _refuse_non_finite(batch: list[tuple[str, torch.Tensor]], group: Group) -> None:
+    """No bucket with NaN or inf reaches an engine (hf, SGLang, vLLM's workers all load
+    through here): a correct digest only proves the bytes are the sender's."""
+    bad = non_finite_names(batch)
+    if bad:
+        raise WeightSyncError(
+            f"weight group {group.where.group!r}: NaN or inf in {describe(bad)} from learner "
+            "rank 0; not making them live (the learner refuses to publish such weights: is "
+            "it a drmas learner of this version?)"
+        )
