@@ -42,6 +42,7 @@ from drmas.broker.gate import Gate, InvalidGroup, RateLimit, clip
 from drmas.broker.heap import tune_gc
 from drmas.broker.intake import FrameLimits, Intake, Refusal
 from drmas.broker.leases import LeaseRecord
+from drmas.broker.limits import group_bytes, run_limits
 from drmas.broker.metrics import NullSink, StepMetrics
 from drmas.broker.peer_label import peer_label
 from drmas.broker.routes import Routes
@@ -50,7 +51,7 @@ from drmas.broker.state import BrokerState
 from drmas.broker.status import run_summary, status_reply
 from drmas.broker.trackers import FanOut, make_sink
 from drmas.config import DrmasConfig, config_dict
-from drmas.protocol import Limits, ProtocolError, decode_to_broker, encode
+from drmas.protocol import ProtocolError, decode_to_broker, encode
 from drmas.protocol.messages import (
     Accepted,
     BatchRequest,
@@ -70,7 +71,6 @@ from drmas.protocol.messages import (
     WeightsLoaded,
     Welcome,
 )
-from drmas.protocol.wire_limits import MAX_NAME_CHARS, MAX_WIRE_EPISODE_METRICS
 from drmas.tasks.source import TaskSource
 from drmas.teams.resolve import resolve
 from drmas.transports.channel import bind_router
@@ -85,32 +85,6 @@ ROUTE_STALE_BEATS = 3
 """Heartbeat intervals of silence after which a client's name may be taken by a new
 connection (it restarted or reconnected: drmas/broker/routes.py)."""
 """At close, after a Shutdown broadcast: how long the socket may take to deliver it."""
-
-
-def vocab_sizes(cfg: DrmasConfig) -> dict[str, int]:
-    """Each model's vocabulary size, read from its checkpoint's config.json."""
-    sizes = {}
-    for name, model in cfg.models.items():
-        path = Path(model.path) / "config.json"
-        if not path.exists():
-            raise FileNotFoundError(
-                f"models.{name}.path={model.path!r} has no config.json; the broker needs resolved "
-                "checkpoint folders (drmas train resolves builtin: models before starting it)"
-            )
-        data = json.loads(path.read_text())
-        sizes[name] = int(data.get("vocab_size") or data["text_config"]["vocab_size"])
-    return sizes
-
-
-def group_bytes(cfg: DrmasConfig, limits: Limits) -> int:
-    """The largest GroupResult this run can send (its tokens at the gate's limits, names at
-    their wire ceilings, with margin), at most broker.max_message_bytes: the ROUTER's
-    frame ceiling, so no frame larger than the run can use is even buffered."""
-    per_step = 4 * (limits.max_prompt_tokens + 2 * limits.max_response_tokens) + 4 * MAX_NAME_CHARS
-    metrics = MAX_WIRE_EPISODE_METRICS * (MAX_NAME_CHARS + 16)
-    per_episode = limits.max_steps_per_episode * per_step + metrics + 256
-    episodes = max(cfg.group_size, cfg.val.n)
-    return min(cfg.broker.max_message_bytes, episodes * per_episode + 64 * 1024)
 
 
 class BrokerServer:
@@ -129,14 +103,7 @@ class BrokerServer:
         self.checkpoints.restore(self.state)
         self.samples = SampleWriter.for_run(cfg, run_dir)
         self.sink = sink
-        limits = Limits(
-            agent_models=dict(self.state.agent_models),
-            vocab_sizes=vocab_sizes(cfg),
-            max_response_tokens=cfg.sampling.max_new_tokens,
-            # a bound on the team's calls per episode: a runaway team is refused rather than
-            # trained on
-            max_steps_per_episode=team.max_steps_per_episode(cfg.workflow),
-        )
+        limits = run_limits(cfg, dict(self.state.agent_models), team)
         secret = load_secret(cfg.security)  # SecurityError (exit 2) if named but unreadable
         if secret is None:
             log.warning(

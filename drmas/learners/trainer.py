@@ -33,6 +33,7 @@ from drmas.learners.loss import policy_loss
 from drmas.learners.sharding import decoder_layers, precision_plan
 from drmas.protocol.arrays import unpack_ids
 from drmas.protocol.messages import BatchShard
+from drmas.protocol.validate import context_from_config
 from drmas.transports.weights import TensorSpec
 
 if TYPE_CHECKING:
@@ -88,6 +89,8 @@ class Trainer:
         self.model = self._sharded_policy()
         self.vocab_size = int(self.model.config.vocab_size)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
+        self.context = context_from_config(self.model.config.to_dict()) or 1 << 30
+        """Prompt + response tokens the model takes; longer samples are left out."""
         self.optimizer = torch.optim.AdamW(
             self.lora.param_groups(self.model) if self.lora else self.model.parameters(),
             lr=cfg.lr_of(model),
@@ -160,6 +163,7 @@ class Trainer:
 
     def _step(self, shard: BatchShard, tick: Callable[[], None]) -> dict[str, float]:
         self._check(shard)
+        shard, overlong = updates.drop_overlong(shard, self.context, self.device)
         minibatches = self._minibatches(shard)
         several = len(minibatches) * self.cfg.learner.ppo_epochs > 1
         if several:  # π_old = the policy before the first update, fixed for every update
@@ -179,6 +183,7 @@ class Trainer:
                 agent_updates += ran
         metrics = self._metrics(shard, sums, norms, agent_norms / agent_updates.clamp(min=1))
         metrics[f"skipped_steps/{self.name}"] = float(skipped)
+        metrics[f"overlong_samples/{self.name}"] = float(overlong)  # left out: over context
         if self.lora:
             metrics |= self.lora.advance()  # adapter_version/<adapter>, after this batch
         if self.cfg.learner.per_agent_grad_norm:

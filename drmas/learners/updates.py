@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -102,3 +103,29 @@ def plan(
     for agent, count in zip(agents, counts.tolist()):
         by_agent[agent] += [empty_micro_batch(agent, pad_id)] * (count - len(by_agent[agent]))
     return by_agent
+
+
+def drop_overlong(shard: BatchShard, context: int, device: torch.device) -> tuple[BatchShard, int]:
+    """`shard` with every sample longer than the model's `context` (prompt + response
+    tokens) made a zero-weight stub of its first prompt and response token, and how many
+    such samples the whole batch had (a collective: an all-reduce over the learner group).
+
+    The broker refuses such steps at its gate; this keeps a learner alive if one gets
+    through anyway (32,768-token prompts on a 512-token model made it allocate 68.7 GB).
+    The stub keeps the shard's shape, so every rank runs the same micro-batches; the
+    batch's loss normalisers (from the broker) still count the dropped tokens."""
+    samples, weights, dropped, changed = list(shard.samples), list(shard.weights), 0, False
+    for i, s in enumerate(samples):
+        if (len(s.prompt_ids) + len(s.response_ids)) // 4 > context:
+            changed = True
+            samples[i] = msgspec.structs.replace(
+                s, prompt_ids=s.prompt_ids[:4], response_ids=s.response_ids[:4],
+                logprobs=s.logprobs[:4],
+            )  # fmt: skip
+            dropped += weights[i] > 0
+            weights[i] = 0.0
+    count = torch.tensor([dropped], dtype=torch.int64, device=device)
+    dist.all_reduce(count)
+    if not changed:
+        return shard, int(count.item())
+    return msgspec.structs.replace(shard, samples=samples, weights=weights), int(count.item())

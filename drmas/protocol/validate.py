@@ -8,7 +8,8 @@ can never half-apply.
 from __future__ import annotations
 
 import math
-from typing import NoReturn
+from operator import add
+from typing import Any, NoReturn
 
 import msgspec
 import numpy as np
@@ -26,6 +27,20 @@ from drmas.protocol.messages import (
     pack_group,
 )
 
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+"""Where a Hugging Face config.json gives the model's context length (the first present)."""
+
+
+def context_from_config(data: dict[str, Any]) -> int | None:
+    """A model's context length in tokens from its config.json (a multimodal model's
+    text_config too), or None when it names none."""
+    for source in (data, data.get("text_config") or {}):
+        for key in CONTEXT_KEYS:
+            value = source.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
 
 class Limits(msgspec.Struct):
     """What the broker accepts. Built once from the run's config."""
@@ -37,16 +52,22 @@ class Limits(msgspec.Struct):
     max_steps_per_episode: int = 64
     max_lease_request: int = 1024
     max_id_chars: int = 256
+    contexts: dict[str, int] = {}
+    """model -> its context length: a step's prompt + response must fit (models without
+    one are held to max_prompt_tokens and max_response_tokens only)."""
 
     pairs: frozenset[tuple[str, str]] = frozenset()
     """Every (agent, model) pair a step may carry (derived from agent_models)."""
     shared_vocab: int = 0
     """The vocabulary size when every model has the same one, else 0 (derived)."""
+    min_context: int = 0
+    """The shortest of `contexts` (0: none), for the one-pass check (derived)."""
 
     def __post_init__(self) -> None:
         self.pairs = frozenset(self.agent_models.items())
         sizes = set(self.vocab_sizes.values())
         self.shared_vocab = sizes.pop() if len(sizes) == 1 else 0
+        self.min_context = min(self.contexts.values(), default=0)
 
 
 def _fail(reason: str) -> NoReturn:
@@ -137,6 +158,7 @@ def check_group_result(msg: GroupResult, limits: Limits, group_size: int) -> Non
         or min(h.version for h in headers) < 0
         or not {h.finish_reason for h in headers} <= _FINISH_REASONS
         or any(h.reward is not None and not abs(h.reward) <= MAX_ABS_REWARD for h in headers)
+        or (limits.min_context and max(map(add, prompt_lens, response_lens)) > limits.min_context)
     ):
         for i, h in enumerate(headers):
             problem = _step_problem(h, limits)
@@ -195,6 +217,12 @@ def _step_problem(h: StepHeader, limits: Limits) -> str:
         return f"prompt of {h.prompt_len} tokens outside 1..{limits.max_prompt_tokens}"
     if not (1 <= h.response_len <= limits.max_response_tokens):
         return f"response of {h.response_len} tokens outside 1..{limits.max_response_tokens}"
+    context = limits.contexts.get(model)
+    if context is not None and h.prompt_len + h.response_len > context:
+        return (
+            f"prompt of {h.prompt_len} + response of {h.response_len} tokens exceed model "
+            f"{model!r}'s context of {context}"
+        )
     if h.version < 0:
         return f"negative weight version {h.version}"
     if h.finish_reason not in _FINISH_REASONS:

@@ -20,7 +20,8 @@ import drmas.broker.intake as intake_mod
 import drmas.broker.server as server_mod
 from drmas.broker.connections import OBSERVER_KEY_CONNECTIONS, ConnectionCap, host_of
 from drmas.broker.intake import STATUS_BURST, STRIKES, FrameLimits, Intake, is_group_result
-from drmas.broker.server import BrokerServer, group_bytes
+from drmas.broker.limits import group_bytes
+from drmas.broker.server import BrokerServer
 from drmas.broker.wire_watch import SLACK
 from drmas.protocol import encode
 from drmas.protocol.messages import (

@@ -514,3 +514,24 @@ def test_the_event_loop_runs_while_a_step_computes(model_path: Path, reference: 
 
     plain, again = with_engine(model_path, body)
     assert again == plain
+
+
+def test_a_request_stops_at_the_models_context(model_path: Path, reference: Any) -> None:
+    """The builtin model takes 512 positions: a response ends where prompt + response fill
+    them (finish_reason "length"), and a prompt that fills them is refused up front, as the
+    broker would refuse the step."""
+    model, _ = reference
+    context = model.config.max_position_embeddings
+    prompt = [5] * (context - 3)
+
+    async def body(engine: HFEngine) -> GenerateResult:
+        with pytest.raises(
+            ValueError, match=f"{context} tokens leaves no room in the model's context of {context}"
+        ):
+            await engine.generate(greedy([5] * context, 4))
+        return await engine.generate(greedy(prompt, 20))
+
+    result = with_engine(model_path, body)
+    assert len(result.token_ids) <= 3 and len(prompt) + len(result.token_ids) <= context
+    if len(result.token_ids) == 3:
+        assert result.finish_reason == "length"

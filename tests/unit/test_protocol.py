@@ -543,3 +543,26 @@ def test_episode_metrics_travel_with_the_group_and_are_checked() -> None:
     _invalid(check_group_result, _group(bad), LIMITS, 1, match=r"metric 'f1'=inf")
     many = [m.Episode([_step()], 1.0, {f"x{i}": 0.0 for i in range(33)})]
     _invalid(check_group_result, _group(many), LIMITS, 1, match=r"33 metrics")
+
+
+def test_a_step_longer_than_its_models_context_is_refused() -> None:
+    """32,768-token prompts for a model of 512 positions were accepted and crashed the
+    learner: prompt + response must fit the context of the step's own model."""
+    from drmas.protocol.validate import context_from_config
+
+    limits = msgspec.structs.replace(LIMITS, contexts={"small": 6})
+    check_group_result(m.pack_group("a", 5, 9, [m.Episode([_step()], 1.0)]), limits, 1)  # 3 + 2
+    long = _step(prompt_ids=pack_ids([1, 2, 3, 4, 5]))  # 5 + 2 > 6
+    _invalid(
+        check_group_result,
+        m.pack_group("a", 5, 9, [m.Episode([long], 1.0)]),
+        limits,
+        1,
+        match=r"prompt of 5 \+ response of 2 tokens exceed model 'small''s context of 6",
+    )
+    big = _step(agent="verifier", model="big", prompt_ids=pack_ids([1, 2, 3, 4, 5]))
+    check_group_result(m.pack_group("a", 5, 9, [m.Episode([big], 1.0)]), limits, 1)  # no context
+    assert context_from_config({"max_position_embeddings": 512}) == 512
+    assert context_from_config({"n_positions": 1024, "vocab_size": 5}) == 1024
+    assert context_from_config({"text_config": {"max_position_embeddings": 8192}}) == 8192
+    assert context_from_config({"vocab_size": 5}) is None

@@ -49,13 +49,14 @@ from typing import TYPE_CHECKING, Any, get_args
 import torch
 
 from drmas import cpu_share
-from drmas.actors.engines.base import GenerateRequest, GenerateResult
+from drmas.actors.engines.base import GenerateRequest, GenerateResult, fit_context
 from drmas.actors.engines.hf_batch import Batch, is_plain_layer, pad_left, top_p_filter
 from drmas.actors.engines.scheduler import RequestScheduler, Row, hit_stop
 from drmas.config.actor import EngineConfig
 from drmas.config.model import LoraConfig
 from drmas.config.types import Dtype
 from drmas.models.lora import BASE_ADAPTER, adapter_of_param, adapter_param_names, add_adapters
+from drmas.protocol.validate import context_from_config
 from drmas.transports.digest import digest_of
 from drmas.transports.weights.layout import Expected, expected_of
 
@@ -114,6 +115,7 @@ class HFEngine:
         self._cache_kwarg = "cache"
         self._pad_id = 0
         self._vocab_size = 0
+        self._context: int | None = None
         self._adapter_params: dict[str, torch.Tensor] = {}
         """LoRA base: every adapter parameter by its PeftModel name, sorted (what a
         publish carries and the digest covers)."""
@@ -149,6 +151,7 @@ class HFEngine:
         pad = self.tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else min(eos_ids, default=0)
         self._vocab_size = model.get_input_embeddings().weight.shape[0]
+        self._context = context_from_config(model.config.to_dict())  # prompt + response
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(self.cfg.seed)
         log.info(
@@ -193,6 +196,7 @@ class HFEngine:
                 f"engine {self.model_name!r} has no adapter {request.adapter!r} (adapters: "
                 f"{self.adapters or 'none, models.' + self.model_name + '.lora.rank is 0'})"
             )
+        request = fit_context(request, self._context)
         return await self._scheduler.submit(request, self._vocab_size, self.version)
 
     async def pause(self) -> None:
