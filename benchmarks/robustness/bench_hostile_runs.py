@@ -11,7 +11,9 @@ run without one (`baseline`):
   learner secret, every 0.5 s until the run ends (it used to take a free seat first);
 - `identity`: silent connections that hold the names of the learners and of actor-0 as
   their ZeroMQ identity (the real learner's Hello used to go unanswered);
-- `fake_actor`: a client says Hello as an actor of every model and keeps heartbeating,
+- `stranger`: a client without the run's actor secret says Hello as an actor every second
+  (refused: forbidden; it used to be welcomed and could lease);
+- `fake_actor`: a client holding the actor secret says Hello as an actor of every model and keeps heartbeating,
   but never leases and never joins a weight publish (publishes used to wait for it);
 - `hello_goodbye`: a client says Hello as an actor, then Goodbye at once.
 
@@ -45,6 +47,7 @@ import zmq  # noqa: E402
 from benchmarks.provenance import git_state  # noqa: E402
 from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode  # noqa: E402
 from drmas.protocol.messages import ErrorReply, Goodbye, Heartbeat, Hello, Welcome  # noqa: E402
+from drmas.transports.learner_secret import actor_proof  # noqa: E402
 
 MODELS = ("solver", "verifier")
 RUN = ("train.steps=6", "val.every=6", "train.progress=false")
@@ -83,7 +86,7 @@ def answer(reply: Any) -> str:
     return "welcome" if isinstance(reply, Welcome) else "no answer"
 
 
-def seat(address: str, stop: threading.Event) -> Counter[str]:
+def seat(address: str, stop: threading.Event, run_dir: Path) -> Counter[str]:
     client, seen = Client(address), Counter[str]()
     while not stop.is_set():
         for model in MODELS:
@@ -93,16 +96,31 @@ def seat(address: str, stop: threading.Event) -> Counter[str]:
     return seen
 
 
-def identity(address: str, stop: threading.Event) -> Counter[str]:
+def identity(address: str, stop: threading.Event, run_dir: Path) -> Counter[str]:
     names = [f"learner-{m}-0" for m in MODELS] + ["actor-0"]
     held = [Client(address, name.encode()) for name in names]  # connected, and silent
     stop.wait()
     return Counter({"identities held": len(held)})
 
 
-def fake_actor(address: str, stop: threading.Event) -> Counter[str]:
+def actor_hello(run_dir: Path, cid: str) -> Hello:
+    """An actor's Hello with the proof made from the run's actor secret: these fakes stand
+    for a compromised or buggy actor that holds the run's actor key."""
+    secret = (run_dir / "actor.secret").read_text().strip().encode()
+    return Hello("actor", cid, PROTOCOL_VERSION, list(MODELS), proof=actor_proof(secret, cid))
+
+
+def stranger(address: str, stop: threading.Event, run_dir: Path) -> Counter[str]:
+    """A client without the actor secret that says Hello as an actor, again and again."""
     client, seen = Client(address), Counter[str]()
-    seen[answer(client.ask(Hello("actor", "fake-actor", PROTOCOL_VERSION, list(MODELS))))] += 1
+    while not stop.wait(1.0):
+        seen[answer(client.ask(Hello("actor", "stranger", PROTOCOL_VERSION, list(MODELS))))] += 1
+    return seen
+
+
+def fake_actor(address: str, stop: threading.Event, run_dir: Path) -> Counter[str]:
+    client, seen = Client(address), Counter[str]()
+    seen[answer(client.ask(actor_hello(run_dir, "fake-actor")))] += 1
     while not stop.wait(1.0):
         client.sock.send(encode(Heartbeat("fake-actor")))
         while client.sock.poll(0):  # JoinWeightGroup and the like: read, never acted on
@@ -110,17 +128,17 @@ def fake_actor(address: str, stop: threading.Event) -> Counter[str]:
     return seen
 
 
-def hello_goodbye(address: str, stop: threading.Event) -> Counter[str]:
+def hello_goodbye(address: str, stop: threading.Event, run_dir: Path) -> Counter[str]:
     client, seen = Client(address), Counter[str]()
-    seen[answer(client.ask(Hello("actor", "brief-actor", PROTOCOL_VERSION, list(MODELS))))] += 1
+    seen[answer(client.ask(actor_hello(run_dir, "brief-actor")))] += 1
     client.sock.send(encode(Goodbye("brief-actor", [], "leaving at once")))
     stop.wait()
     return seen
 
 
-CASES: dict[str, Callable[[str, threading.Event], Counter[str]] | None] = {
+CASES: dict[str, Callable[[str, threading.Event, Path], Counter[str]] | None] = {
     "baseline": None, "seat": seat, "identity": identity, "fake_actor": fake_actor,
-    "hello_goodbye": hello_goodbye,
+    "hello_goodbye": hello_goodbye, "stranger": stranger,
 }  # fmt: skip
 
 
@@ -137,7 +155,7 @@ def run_case(name: str, cache: str) -> dict[str, Any]:
         address = address_of(run_dir, train)
 
         def go() -> None:
-            seen.update(attack(address, stop))
+            seen.update(attack(address, stop, run_dir))
 
         thread = threading.Thread(target=go, daemon=True)
         thread.start()

@@ -69,7 +69,7 @@ from drmas.protocol.messages import (
     ToBroker,
     WeightsLoaded,
 )
-from drmas.transports.learner_secret import proves
+from drmas.transports.learner_secret import actor_proves, proves
 
 if TYPE_CHECKING:
     from drmas.broker.leases import LeaseRecord
@@ -180,11 +180,16 @@ class Gate:
     `limits` (drmas/protocol/validate.py)."""
 
     def __init__(
-        self, state: BrokerState, limits: Limits, learner_secret: bytes | None = None
+        self,
+        state: BrokerState,
+        limits: Limits,
+        learner_secret: bytes | None = None,
+        actor_secret: bytes | None = None,
     ) -> None:
         self.state = state
         self.limits = limits
         self.learner_secret = learner_secret  # None: learner seats need no proof
+        self.actor_secret = actor_secret  # None: actors need no proof
 
     def admit(self, cid: str, msg: ToBroker, key_roles: frozenset[str] | None = None) -> Admitted:
         """`msg` from client id `cid` if it may send it with these fields; else raises
@@ -236,6 +241,20 @@ class Gate:
                 f"{msg.rank}): learner ranks read the run's secret from security."
                 "learner_secret (RUN_DIR/learner.secret, written by `drmas prepare`); start "
                 "them with --config RUN_DIR/config.yaml and that file on their node"
+            )
+
+    def check_actor_proof(self, msg: Hello) -> None:
+        """An actor's Hello must prove, under the run's actor secret (when the broker has
+        one), the client id it asks for: checked before that id is routed or renamed
+        (drmas/broker/server.py `_speaker`), so a stranger cannot even hold a name."""
+        if self.actor_secret is None or msg.role != "actor":
+            return
+        if not actor_proves(self.actor_secret, msg.proof, msg.client_id):
+            _forbidden(
+                f"{msg.client_id[:64]!r} did not prove it is an actor of this run: actors "
+                "read the run's secret from security.actor_secret (RUN_DIR/actor.secret, "
+                "written by `drmas prepare`); start them with --config RUN_DIR/config.yaml "
+                "and that file on their node"
             )
 
     def _hello_role(self, cid: str, msg: Hello) -> None:

@@ -74,7 +74,7 @@ from drmas.protocol.messages import (
 from drmas.tasks.source import TaskSource
 from drmas.teams.resolve import resolve
 from drmas.transports.channel import bind_router
-from drmas.transports.learner_secret import load_secret
+from drmas.transports.learner_secret import load_actor_secret, load_secret
 from drmas.transports.security import key_roles, keys_dir
 
 log = logging.getLogger("drmas.broker")
@@ -110,7 +110,13 @@ class BrokerServer:
                 "security.learner_secret is empty: any client may take a free learner seat; "
                 "start the broker with --config RUN_DIR/config.yaml from `drmas prepare`"
             )
-        self.gate = Gate(self.state, limits, secret)
+        actor_secret = load_actor_secret(cfg.security)
+        if actor_secret is None:
+            log.warning(
+                "security.actor_secret is empty: any client may say Hello as an actor; "
+                "start the broker with --config RUN_DIR/config.yaml from `drmas prepare`"
+            )
+        self.gate = Gate(self.state, limits, secret, actor_secret)
         self.cpu = self.state.metrics.cpu
         # CURVE: public key (z85) -> Hello roles it may take (authorized/roles.json)
         self.key_roles = key_roles(keys_dir(cfg.security)) if cfg.security.curve else None
@@ -316,6 +322,7 @@ class BrokerServer:
         which the Hello then carries (drmas/broker/routes.py)."""
         if not isinstance(msg, Hello):
             return self.routes.name_of(identity) or "", msg
+        self.gate.check_actor_proof(msg)  # before the name it asks for is routed
         proven = msg.role != "learner" or self.gate.learner_secret is not None
         name = self.routes.hello_name(
             msg, identity, key, self.state.last_seen, time.monotonic(), proven

@@ -58,3 +58,10 @@ class SecurityConfig:
     RUN_DIR/learner.secret (mode 600) and put its path here; copy it to the learner nodes
     only, never to actor nodes. Empty = learner seats are open to any client that says
     Hello first (the broker warns)."""
+    actor_secret: str = ""
+    """File holding the run's actor secret: an actor's Hello carries an HMAC of its client
+    id under it, and the broker welcomes no actor without one, so a client that holds
+    neither secret cannot act as an actor at all. `drmas train` and `drmas prepare` write
+    it as RUN_DIR/actor.secret (mode 600); copy it to the actor nodes (an actor attached
+    later with --config RUN_DIR/config.yaml reads it from there). Empty = any client may
+    say Hello as an actor (the broker warns)."""

@@ -64,6 +64,7 @@ def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path, Placement | None]:
     CPU); write config.yaml. Raises ValueError (PlacementError) for a plan that cannot work,
     before any model is built."""
     from drmas.models.builtin import resolve_model_path
+    from drmas.transports.learner_secret import ACTOR_FILE_NAME as ACTOR_FILE
     from drmas.transports.learner_secret import FILE_NAME as SECRET_FILE
     from drmas.transports.learner_secret import ensure_secret
     from drmas.transports.security import check_bind, check_keys, keys_dir
@@ -79,9 +80,10 @@ def prepare_run(cfg: DrmasConfig) -> tuple[DrmasConfig, Path, Placement | None]:
         weights = dataclasses.replace(weights, backend="gloo")
     run_dir = Path(cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    # the learner ranks' proof of their seats (drmas/transports/learner_secret.py)
+    # the learner ranks' proof of their seats, the actors' of theirs (learner_secret.py)
     secret = ensure_secret(Path(security.learner_secret or run_dir / SECRET_FILE).expanduser())
-    security = dataclasses.replace(security, learner_secret=str(secret))
+    actors = ensure_secret(Path(security.actor_secret or run_dir / ACTOR_FILE).expanduser())
+    security = dataclasses.replace(security, learner_secret=str(secret), actor_secret=str(actors))
     models = {
         name: dataclasses.replace(
             m,

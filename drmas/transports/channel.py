@@ -56,6 +56,7 @@ from drmas.protocol import (
     encode,
 )
 from drmas.protocol.messages import ErrorReply, FromBroker, Hello, Role, Welcome
+from drmas.transports.learner_secret import actor_proof, load_actor_secret
 from drmas.transports.security import check_bind, secure_client, secure_server
 
 log = logging.getLogger("drmas.transports.channel")
@@ -190,6 +191,7 @@ class BrokerClient:
         # a send blocks only while the queue to the broker is full (10_000 frames): never
         # longer than this, then BrokerUnavailable
         self.sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
+        self.security = security or SecurityConfig()
         if security is not None and security.curve:
             try:
                 secure_client(self.sock, security)
@@ -355,9 +357,14 @@ class BrokerClient:
         proof: str = "",
     ) -> Welcome:
         """Say Hello and wait for the Welcome (BrokerRefused: refused, with the reason).
-        `proof`: a learner's seat proof (drmas/transports/learner_secret.py)."""
-        import os
+        `proof`: a learner's seat proof; an actor's Hello carries the proof of its client id
+        under security.actor_secret when the config names one (SecurityError when that
+        file cannot be read), both drmas/transports/learner_secret.py's."""
         import socket
+
+        secret = load_actor_secret(self.security) if role == "actor" else None
+        if secret is not None:
+            proof = actor_proof(secret, self.client_id)
 
         msg = Hello(
             role=role,

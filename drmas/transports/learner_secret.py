@@ -1,4 +1,5 @@
-"""The learner secret: how a learner rank proves to the broker that it belongs to the run.
+"""The run's secrets: how a learner rank, and an actor, prove to the broker that they
+belong to the run.
 
 A learner seat (model, rank) decides who may ask for that rank's shards, report steps and
 publish weights (drmas/broker/seats.py), so a client that took a free seat first could
@@ -9,7 +10,14 @@ Hello carries `proof`, an HMAC-SHA256 of the seat they ask for under it; the bro
 (drmas/broker/gate.py) seats a learner only with the right proof. Actors never read it:
 copy the file to learner nodes only.
 
-What it does not do: without CURVE the Hello travels in clear, so whoever can read the
+Actors prove themselves the same way with a second secret, RUN_DIR/actor.secret
+(security.actor_secret): their Hello carries an HMAC of their client id under it, and the
+broker welcomes no actor without it, so a client on the network that holds neither file
+cannot lease tasks, hand in groups or join a publish's roll call. It is a separate file
+because an actor node needs its secret and must not hold the learners' (with it, a
+compromised actor could take a learner seat).
+
+What they do not do: without CURVE the Hello travels in clear, so whoever can read the
 broker's traffic can replay a proof for that one seat (it names the client id, the model
 and the rank). Across networks that are not trusted, use CURVE (docs/security.md).
 """
@@ -27,6 +35,8 @@ from drmas.transports.security import SecurityError
 
 FILE_NAME = "learner.secret"
 """Its name in the run folder."""
+ACTOR_FILE_NAME = "actor.secret"
+"""The actors' secret's name in the run folder."""
 SECRET_BYTES = 32
 
 
@@ -43,22 +53,30 @@ def ensure_secret(path: Path) -> Path:
 
 
 def load_secret(security: SecurityConfig) -> bytes | None:
-    """The run's secret, or None when security.learner_secret is empty; SecurityError when
-    it names a file that is missing or holds no secret."""
-    if not security.learner_secret:
+    """The run's learner secret, or None when security.learner_secret is empty;
+    SecurityError when it names a file that is missing or holds no secret."""
+    return _read(security.learner_secret, "learner_secret", "the broker or a learner rank")
+
+
+def load_actor_secret(security: SecurityConfig) -> bytes | None:
+    """The run's actor secret, or None when security.actor_secret is empty (as above)."""
+    return _read(security.actor_secret, "actor_secret", "the broker or an actor")
+
+
+def _read(setting: str, key: str, who: str) -> bytes | None:
+    if not setting:
         return None
-    path = Path(security.learner_secret)
+    path = Path(setting)
     try:
         text = path.read_text().strip()
     except OSError as exc:
         raise SecurityError(
-            f"cannot read the learner secret {path} (security.learner_secret): {exc}. "
-            "`drmas prepare` writes it as RUN_DIR/learner.secret; copy it to every node "
-            "that runs the broker or a learner rank"
+            f"cannot read the secret {path} (security.{key}): {exc}. `drmas prepare` writes "
+            f"it in the run folder; copy it to every node that runs {who}"
         ) from None
     if len(text) < 2 * SECRET_BYTES:
         raise SecurityError(
-            f"{path} holds no learner secret ({len(text)} characters, expected "
+            f"{path} holds no secret ({len(text)} characters, expected "
             f"{2 * SECRET_BYTES}); delete it and run `drmas prepare` again"
         )
     return text.encode()
@@ -72,3 +90,12 @@ def proof(secret: bytes, client_id: str, model: str, rank: int) -> str:
 
 def proves(secret: bytes, given: str, client_id: str, model: str, rank: int) -> bool:
     return hmac.compare_digest(given.encode(), proof(secret, client_id, model, rank).encode())
+
+
+def actor_proof(secret: bytes, client_id: str) -> str:
+    """What an actor's Hello carries: an HMAC of the client id it says Hello as."""
+    return hmac.new(secret, f"drmas-actor\n{client_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def actor_proves(secret: bytes, given: str, client_id: str) -> bool:
+    return hmac.compare_digest(given.encode(), actor_proof(secret, client_id).encode())

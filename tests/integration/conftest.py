@@ -90,6 +90,20 @@ def wait_for(
     raise TimeoutError(what)
 
 
+def actor_hello(run_dir: Path, cid: str, models: list[str], version: int | None = None) -> Any:
+    """An actor's Hello proven with the run's actor secret (RUN_DIR/actor.secret): a fake
+    actor of these tests stands for a compromised or buggy actor that holds the key."""
+    from drmas.protocol import PROTOCOL_VERSION
+    from drmas.protocol.messages import Hello
+    from drmas.transports.learner_secret import actor_proof
+
+    secret = (run_dir / "actor.secret").read_text().strip().encode()
+    given = actor_proof(secret, cid)
+    return Hello(
+        "actor", cid, PROTOCOL_VERSION if version is None else version, models, proof=given
+    )
+
+
 def broker_address(run_dir: Path, timeout: float = 240) -> str:
     def address() -> str:
         path = run_dir / "config.yaml"

@@ -29,6 +29,7 @@ from drmas.protocol.messages import (
 from tests.integration.conftest import (
     HELD_OPEN,
     REPO,
+    actor_hello,
     broker_address,
     check_accounting,
     read_summary,
@@ -60,9 +61,10 @@ def bad_step(vocab_id: int) -> Step:
     )  # fmt: skip
 
 
-def garbage_then_silence(address: str) -> None:
+def garbage_then_silence(address: str, run_dir: Path) -> None:
     """A client sends garbage and malformed frames, each refused with its reason, then says
-    Hello as an actor, takes a lease, returns an invalid group and goes silent."""
+    Hello as an actor without the run's actor secret (refused) and with it, takes a lease,
+    returns an invalid group and goes silent."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"evil")
@@ -80,10 +82,12 @@ def garbage_then_silence(address: str) -> None:
         assert ask(b"a", b"b").code == "too_many_parts"  # two payload frames
         stranger = ask(encode(LeaseRequest("evil", 1, {})))
         assert stranger.code == "unknown_client"
-        old = Hello("actor", "evil", PROTOCOL_VERSION + 1, ["solver", "verifier"])
+        unproven = ask(encode(Hello("actor", "evil", PROTOCOL_VERSION, ["solver", "verifier"])))
+        assert unproven.code == "forbidden" and "actor.secret" in unproven.reason
+        old = actor_hello(run_dir, "evil", ["solver", "verifier"], PROTOCOL_VERSION + 1)
         refusal = ask(encode(old))
         assert refusal.code == "protocol_version" and str(PROTOCOL_VERSION) in refusal.reason
-        welcome = ask(encode(Hello("actor", "evil", PROTOCOL_VERSION, ["solver", "verifier"])))
+        welcome = ask(encode(actor_hello(run_dir, "evil", ["solver", "verifier"])))
         assert isinstance(welcome, Welcome)
         leases = wait_for(
             lambda: ask(encode(LeaseRequest("evil", 1, {}))).leases,
@@ -131,7 +135,7 @@ def test_garbage_frames_and_actors_killed_mid_run_or_in_a_broadcast_lose_nothing
         doomed.append(
             doomed_actor(run_dir, "doomed-weights", "DRMAS_FAULT_KILL_IN_WEIGHTS", "solver:3")
         )
-        garbage_then_silence(address)
+        garbage_then_silence(address, run_dir)
         for extra in doomed:  # no Goodbye: only missed heartbeats tell
             wait_for(
                 lambda e=extra: e.poll() is not None,

@@ -15,9 +15,15 @@ from pathlib import Path
 import pytest
 import zmq
 
-from drmas.protocol import PROTOCOL_VERSION, decode_from_broker, encode
-from drmas.protocol.messages import Goodbye, Heartbeat, Hello, Welcome
-from tests.integration.conftest import broker_address, finish, read_summary, start_train
+from drmas.protocol import decode_from_broker, encode
+from drmas.protocol.messages import Goodbye, Heartbeat, Welcome
+from tests.integration.conftest import (
+    actor_hello,
+    broker_address,
+    finish,
+    read_summary,
+    start_train,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -61,14 +67,10 @@ def test_name_squatters_a_brief_actor_and_one_that_never_joins_do_not_stop_the_r
         names = [f"learner-{m}-0" for m in MODELS] + ["actor-0"]
         squatters = [dealer(ctx, address, name.encode()) for name in names]  # silent
         brief = dealer(ctx, address)
-        assert isinstance(
-            ask(brief, Hello("actor", "brief-actor", PROTOCOL_VERSION, MODELS)), Welcome
-        )
+        assert isinstance(ask(brief, actor_hello(run_dir, "brief-actor", MODELS)), Welcome)
         brief.send(encode(Goodbye("brief-actor", [], "leaving at once")))
         fake = dealer(ctx, address)
-        assert isinstance(
-            ask(fake, Hello("actor", "fake-actor", PROTOCOL_VERSION, MODELS)), Welcome
-        )
+        assert isinstance(ask(fake, actor_hello(run_dir, "fake-actor", MODELS)), Welcome)
         thread = threading.Thread(target=fake_actor, args=(fake, stop, seen), daemon=True)
         thread.start()
         out = finish(train, timeout=900)

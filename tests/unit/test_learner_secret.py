@@ -45,7 +45,7 @@ def test_a_named_secret_that_is_missing_or_empty_is_a_security_error(tmp_path: P
     with pytest.raises(SecurityError, match="copy it to every node"):
         load_secret(SecurityConfig(learner_secret=str(tmp_path / "nowhere")))
     (tmp_path / "empty").write_text("\n")
-    with pytest.raises(SecurityError, match="holds no learner secret"):
+    with pytest.raises(SecurityError, match="holds no secret"):
         load_secret(SecurityConfig(learner_secret=str(tmp_path / "empty")))
 
 
