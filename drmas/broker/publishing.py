@@ -36,11 +36,17 @@ A publish begins with a roll call (drmas/transports/weights/group.py): learner r
 sends only to the members that check in with the token within weights.join_timeout_s and
 names the others in PublishDone.left_out. Those are behind, re-published to as above, and
 an actor left out of MAX_MISSED_JOINS publishes in a row is dropped (a connection that
-registers as an actor and never joins cannot slow every publish for ever). An actor that
+registers as an actor and never joins cannot slow every publish for ever); the count
+stays with its name across a new Hello, and only a load that succeeds clears it. A
+WeightsLoaded(ok) from an actor that was not sent the join, or was left out of its roll
+call, changes nothing (`weight_loads_unexpected`): versions are what the broker saw
+loaded, never what an actor claims. An actor that
 checked in to a publish and has not yet reported its load (`joining`: a publish that
 failed at rank 0 leaves its members receiving until their own timeout) is not planned
 into another publish of that model until it reports, or weights.timeout_s +
-join_timeout_s have passed: it would miss that roll call through no fault of its own.
+join_timeout_s have passed: it would miss that roll call through no fault of its own;
+nor is it counted stale meanwhile (`stale_actors`), so its learner does not re-publish
+to it while it loads.
 
 Bounded: digests are kept for the last three versions of each model only.
 """
@@ -75,6 +81,10 @@ MAX_MISSED_JOINS = 3
 weights.join_timeout_s) after which the broker drops it: a connection that says Hello and
 heartbeats but never joins costs at most this many join timeouts. A real actor dropped so
 is told unknown_client at its next message and says Hello again."""
+
+
+MAX_TRACKED = 4096
+"""Names whose missed joins are remembered after they leave (bounded memory)."""
 
 
 class WeightPublishing:
@@ -125,6 +135,7 @@ class WeightPublishing:
             for a in self.actors.values()
             if model in a.models
             and a.versions.get(model, 0) < version
+            and not self._busy(a.client_id, model, now)  # still loading: not stale (yet)
             and self._may_retry(a.client_id, model, version, now)
         )
 
@@ -274,7 +285,8 @@ class WeightPublishing:
             self.counters["weight_joins_missed"] += 1
             self._failed(client_id, model, version, now)
             self.missed_joins[client_id] += 1
-            if self.missed_joins[client_id] == MAX_MISSED_JOINS:
+            self._bound_missed_joins()
+            if self.missed_joins[client_id] >= MAX_MISSED_JOINS:
                 log.error(
                     "%s missed %d weight publishes in a row (never checked in within "
                     "weights.join_timeout_s): dropping it",
@@ -283,11 +295,23 @@ class WeightPublishing:
                 self.never_joined.append(client_id)
 
     def take_never_joined(self) -> list[str]:
-        """Actors to drop now (each once): they missed MAX_MISSED_JOINS publishes in a row."""
+        """Actors to drop now (each once): they missed MAX_MISSED_JOINS publishes in a row.
+        Their count is kept under their name: one that says Hello again and misses again
+        is dropped at its next miss, not after MAX_MISSED_JOINS more (only a load that
+        succeeds clears it)."""
         taken, self.never_joined = self.never_joined, []
-        for client_id in taken:
-            self.missed_joins.pop(client_id, None)
         return taken
+
+    def _bound_missed_joins(self) -> None:
+        """At most MAX_TRACKED names: those of actors gone, lowest counts first, go."""
+        if len(self.missed_joins) <= MAX_TRACKED:
+            return
+        gone = sorted(
+            (n for n in self.missed_joins if n not in self.actors),
+            key=lambda n: self.missed_joins[n],
+        )
+        for name in gone[: len(self.missed_joins) - MAX_TRACKED]:
+            del self.missed_joins[name]
 
     def loaded(
         self,
@@ -298,7 +322,10 @@ class WeightPublishing:
         digest: str = "",
         now: float | None = None,
     ) -> None:
-        self.joining.pop((client_id, model), None)
+        joined = self.joining.pop((client_id, model), None) is not None
+        if ok and not joined:  # left out of the roll call, or never sent a join: not loaded
+            self.counters["weight_loads_unexpected"] += 1
+            return
         actor = self.actors.get(client_id)
         if actor is not None and ok:
             actor.versions[model] = max(actor.versions.get(model, 0), version)

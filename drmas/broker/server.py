@@ -356,10 +356,9 @@ class BrokerServer:
             # the connection it came on (an in-process caller that has none: its name)
             self.greet(cid, msg, identity if identity is not None else cid.encode(), key, now)
             return
-        st.seen(cid, now)
+        st.seen(cid, now)  # versions it claims are not taken: BrokerState.seen
         match msg:
             case Heartbeat():
-                st.seen(cid, now, msg.versions)
                 if msg.time_s and cid in st.table.actors:
                     st.metrics.actor_time(cid, msg.time_s)
             case LeaseRequest():

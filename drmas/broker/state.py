@@ -161,12 +161,14 @@ class BrokerState:
         actor = self.table.actors.get(client_id)
         return 0 if actor is None else len(actor.leases)
 
-    def seen(self, client_id: str, now: float, versions: dict[str, int] | None = None) -> bool:
+    def seen(self, client_id: str, now: float) -> bool:
+        """Note that `client_id` was heard now. The weight versions an actor says it holds
+        (in its heartbeats and lease requests) are not taken: an actor holds what the
+        broker saw it load (WeightPublishing.loaded), so one that lies about its versions
+        cannot take leases or validation tasks meant for fresher weights."""
         actor = self.table.actors.get(client_id)
         if actor is not None:
             actor.last_seen = now
-            if versions:
-                actor.versions.update({m: v for m, v in versions.items() if m in self.versions})
             return True
         learner = self.learners.get(client_id)
         if learner is not None:
@@ -228,10 +230,20 @@ class BrokerState:
         self, client_id: str, max_groups: int, versions: dict[str, int], now: float
     ) -> Leases:
         actor = self.table.actors[client_id]
-        self.seen(client_id, now, versions)
+        self.seen(client_id, now)  # `versions`: what it claims, not taken (see `seen`)
         waiting = self.admission.attach_wait(actor)
         if waiting:
             return Leases(leases=[], retry_after_s=0.2, reason=waiting)
+        cap = self.cfg.broker.max_leases_per_actor or self.cfg.actor.max_groups
+        if len(actor.leases) >= cap:
+            self.counters["leases_capped"] += 1
+            return Leases(
+                leases=[],
+                retry_after_s=0.2,
+                reason=f"holds {len(actor.leases)} leases, the most one actor may "
+                "(broker.max_leases_per_actor)",
+            )
+        max_groups = min(max_groups, cap - len(actor.leases))
         out: list[Lease] = []
         reason = ""
         queue = self.validation.queue

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from drmas.config.types import (
     AdvantageMode,
+    NonNegative,
     NonNegativeFloat,
     Positive,
     Scope,
@@ -68,6 +69,11 @@ class BrokerConfig:
     long at most for the learners to save and say Goodbye (a second signal: at once)."""
     max_actors: Positive = 1024
     """Actors registered at once; a Hello beyond it is refused."""
+    max_leases_per_actor: NonNegative = 0
+    """Leases (training and validation together) one actor may hold at once; 0 = the run's
+    actor.max_groups, what an actor of this config asks for at most. A misbehaving actor
+    cannot take every task of a batch or a validation round. Raise it for actors started
+    with a larger actor.max_groups."""
     max_connections_per_host: Positive = 256
     """Open connections one peer host may hold; more are closed as they arrive (every
     actor, learner rank and `drmas status` of a host holds one). Every loopback address

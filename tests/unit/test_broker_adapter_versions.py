@@ -32,6 +32,7 @@ from drmas.protocol.messages import (
 )
 from drmas.tasks.source import TaskSource
 from tests.fixtures.broker_server import broker_server
+from tests.fixtures.holding import hold
 
 SHARED = ["experiment=tiny_math_shared", "group_size=2", "batch_groups=2", "val.every=0"]
 """Solver and verifier on one model, `policy`; with lora.rank > 0 two adapters of it."""
@@ -282,7 +283,7 @@ def test_a_publish_carries_only_the_adapters_some_member_lacks_and_its_bytes() -
     for actor in ("a", "b"):
         st.weights.loaded(actor, "policy", 3, ok=True)
     st.weights.loaded("c", "policy", 3, ok=False)
-    st.seen("c", 0.0, {"policy": 2})  # say it had loaded v2 meanwhile
+    hold(st, "c", policy=2)  # say it had loaded v2 meanwhile
     plan, _ = st.weights.plan("policy", 3, "h:1", 0.0)  # the re-publish to the one behind
     assert plan.members == ["c"] and plan.adapters == ["solver"]  # U(3) vs U(2)
 

@@ -11,6 +11,7 @@ from drmas.config import load_config
 from drmas.protocol import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, GroupResult, NoBatch, Step, pack_group
 from drmas.tasks.source import TaskSource
+from tests.fixtures.holding import hold
 
 
 def make_state(*overrides: str) -> BrokerState:
@@ -58,6 +59,9 @@ def test_synchronous_eta0_waits_for_fresh_weights():
     # batch 0 is cut: the next groups train version 1, so a v0 actor must wait
     refused = st.lease("a", 100, {"solver": 0, "verifier": 0}, 0.0)
     assert refused.leases == [] and "waiting for weights" in refused.reason
+    claimed = st.lease("a", 100, {"solver": 1, "verifier": 1}, 0.0)
+    assert claimed.leases == []  # versions it claims are not taken: only loads the broker saw
+    hold(st, "a", solver=1, verifier=1)
     fresh = st.lease("a", 100, {"solver": 1, "verifier": 1}, 0.0)
     assert len(fresh.leases) == 2
 
@@ -68,10 +72,12 @@ def test_an_actor_attaching_mid_run_waits_for_the_current_weights():
     st.add_actor("late", "h", 1, ["solver", "verifier"], 0.0)
     # η = 2 would admit a v0 actor's groups, but an attaching actor waits for the weights
     # current at its Hello, model by model
-    waiting = st.lease("late", 4, {"solver": 0, "verifier": 1}, 0.0)
+    hold(st, "late", verifier=1)
+    waiting = st.lease("late", 4, {"solver": 2, "verifier": 1}, 0.0)  # a claim: not taken
     assert waiting.leases == []
     assert waiting.reason == ("attached mid-run, waiting for the current weights: solver v0 < v2")
     assert st.counters["actors_synced_on_attach"] == 0
+    hold(st, "late", solver=2)
     synced = st.lease("late", 4, {"solver": 2, "verifier": 1}, 0.0)
     assert synced.leases and st.counters["actors_synced_on_attach"] == 1
     # once synced, only the ordinary rules apply (its wait is not asked again)
@@ -180,7 +186,7 @@ def test_actors_behind_the_learner_get_a_republish_of_its_version():
     now = time.monotonic()
     st.add_actor("a", "h", 1, ["solver", "verifier"], now)
     st.versions["solver"] = 4
-    st.seen("a", now, {"solver": 2, "verifier": 4})  # its sync of v3 and v4 failed
+    hold(st, "a", solver=2, verifier=4)  # its sync of v3 failed
     reply = st.batch("solver", 0, 1, 4, now)
     assert isinstance(reply, NoBatch) and reply.republish
     plan, joins = st.weights.plan(
@@ -189,10 +195,12 @@ def test_actors_behind_the_learner_get_a_republish_of_its_version():
     assert plan.members == ["a"] and joins[0][1].rank == 1
     assert not st.batch("solver", 0, 1, 4, now).republish  # a publish is in flight
     st.weights.done("solver", 4, 0.1, ok=False)
-    assert st.batch("solver", 0, 1, 4, now).republish  # it failed: ask again
+    # it failed, but a may still be receiving the failed one: no re-publish to it yet
+    assert not st.batch("solver", 0, 1, 4, now).republish
     plan, _ = st.weights.plan("solver", 4, "h:1", now=time.monotonic())
-    assert plan.members == []  # a may still be receiving the failed one: not planned yet
+    assert plan.members == []  # nor is it planned in
     st.weights.loaded("a", "solver", 4, ok=False)  # its load failed too: now it is free
+    assert st.batch("solver", 0, 1, 4, now).republish  # ask again
     plan, _ = st.weights.plan(
         "solver", 4, "h:1", now=time.monotonic()
     )  # a re-plan: only stale actors
@@ -338,6 +346,7 @@ def test_a_model_called_in_few_episodes_still_gets_all_its_batches():
             if not isinstance(reply, NoBatch):
                 versions[m] += 1
                 st.step_report(m, versions[m], {})
+                hold(st, "a", **{m: versions[m]})  # published and loaded
         if st.train_done:
             break
     assert st.train_done, (versions, st.counters)
@@ -413,7 +422,7 @@ def test_a_models_weight_group_is_kept_while_members_and_store_are():
     assert publish(9) != fourth
     # a re-publish to the stale actors only is a one-off group, and retires the kept one
     for actor in ("b", "c"):
-        st.weights.loaded(actor, "solver", 9, ok=True)  # "a" still holds an old version
+        hold(st, actor, solver=9)  # "a" still holds an old version
     before = names[-1]
     plan, _ = st.weights.plan("solver", 9, "h:2", 0.0)
     assert plan.members == ["a"] and plan.group_name != before
@@ -454,3 +463,23 @@ def test_an_actor_still_receiving_a_failed_publish_is_not_planned_into_the_next(
     bound = st.cfg.weights.timeout_s + st.cfg.weights.join_timeout_s
     assert st.weights.plan("solver", 3, "h:1", bound + 0.1)[0].members == ["a", "b"]
     assert st.counters.get("weight_joins_missed", 0) == 0
+
+
+def test_one_actor_holds_at_most_its_lease_cap_validation_included():
+    """A fake actor took 272 leases (256 validation, 16 training) and the run made no step:
+    an actor holds at most broker.max_leases_per_actor (0: actor.max_groups) at once."""
+    st = make_state("val.every=1", "val.num_tasks=40", "actor.max_groups=3", "train.steps=10",
+                    "algorithm.max_staleness=5")  # fmt: skip
+    st.add_actor("fake", "h", 1, ["solver", "verifier"], 0.0)
+    first = st.lease("fake", 1000, {}, 0.0)
+    assert len(first.leases) == 3 and all(le.is_eval for le in first.leases)
+    again = st.lease("fake", 1000, {}, 0.0)
+    assert again.leases == [] and "the most one actor may" in again.reason
+    assert st.counters["leases_capped"] == 1
+    st.add_actor("honest", "h", 2, ["solver", "verifier"], 0.0)
+    assert len(st.lease("honest", 3, {}, 0.0).leases) == 3  # the rest is not hoarded
+    st.hand_back("fake", [first.leases[0].lease_id])
+    assert len(st.lease("fake", 1000, {}, 0.0).leases) == 1  # room again: one
+    wide = make_state("actor.max_groups=3", "broker.max_leases_per_actor=5")
+    wide.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    assert len(wide.lease("a", 1000, {}, 0.0).leases) == 4  # (η + 1) · B binds first

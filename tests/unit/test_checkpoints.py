@@ -17,6 +17,7 @@ from drmas.config.task import TaskConfig
 from drmas.protocol import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, GroupResult, Step, pack_group
 from drmas.tasks.source import TaskSource
+from tests.fixtures.holding import hold
 from tests.rendezvous import gloo_init
 
 
@@ -107,6 +108,7 @@ def result(lease, version: int, actor: str = "a") -> GroupResult:
 
 def train_one_step(st: BrokerState, version: int) -> list[str]:
     """Lease B groups, accept them, cut and train one batch per model; returns task ids."""
+    hold(st, "a", solver=version, verifier=version)
     leases = st.lease("a", 2, {"solver": version, "verifier": version}, 0.0).leases
     assert len(leases) == 2
     for lease in leases:
@@ -127,6 +129,7 @@ def test_broker_snapshot_restore_round_trip(tmp_path: Path) -> None:
     for model in ("solver", "verifier"):
         fake_checkpoint(tmp_path / model, 2)  # the learners' complete checkpoints at v2
     after = train_one_step(st, 2)  # solver and verifier train v3: not in their checkpoints
+    hold(st, "a", solver=3, verifier=3)
     buffered = st.lease("a", 2, {"solver": 3, "verifier": 3}, 0.0).leases
     st.accept("a", result(buffered[0], 3), 0.0)  # buffered, not trained
     in_flight = [buffered[1].task.task_id]

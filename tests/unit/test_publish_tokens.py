@@ -8,7 +8,7 @@ import collections
 from drmas.broker.adapter_versions import AdapterVersions
 from drmas.broker.leases import ActorRecord
 from drmas.broker.metrics import StepMetrics
-from drmas.broker.publishing import MAX_RELOADS, WeightPublishing
+from drmas.broker.publishing import MAX_MISSED_JOINS, MAX_RELOADS, WeightPublishing
 from drmas.config import load_config
 
 
@@ -93,7 +93,9 @@ def test_an_actor_whose_loads_keep_failing_is_re_published_with_a_growing_back_o
     pub.loaded("good", "solver", 2, ok=True, now=1001.0)
     pub.loaded("bad", "solver", 2, ok=False, now=1001.0)
     assert pub.stale_actors("solver", 2, now=1001.0) == ["bad"]
-    # a load that succeeds clears its count
+    # a load that succeeds (of a re-publish it was sent) clears its count
+    plan, _ = pub.plan("solver", 2, "h:1", now=1002.0)
+    assert plan.members == ["bad"]
     pub.loaded("bad", "solver", 2, ok=True)
     assert ("bad", "solver") not in pub.failed_loads
 
@@ -117,7 +119,40 @@ def test_members_left_out_of_a_roll_call_are_behind_and_dropped_if_they_never_co
         pub.done("solver", version, 0.1, ok=True, left_out=["a2"])
         pub.loaded("a1", "solver", version, ok=True)
     assert pub.take_never_joined() == ["a2"] and pub.take_never_joined() == []
-    assert pub.missed_joins == {}  # a1's reset by its loads, a2's taken
+    # a1's count was reset by its loads; a2's stays with its name: if it says Hello again
+    # and misses once more, it is dropped at once, not after MAX_MISSED_JOINS more
+    assert pub.missed_joins == {"a2": MAX_MISSED_JOINS}
+    pub.plan("solver", 4, "h:1", now=3.0)
+    pub.done("solver", 4, 0.1, ok=True, left_out=["a2"])
+    assert pub.take_never_joined() == ["a2"]
+
+
+def test_an_ok_for_a_load_the_broker_never_asked_for_changes_nothing() -> None:
+    """An actor left out of a roll call (or never sent a join) that says it loaded the
+    version anyway: not taken, its missed joins not cleared, so it is still dropped."""
+    pub = publishing("a1", "fake")
+    for version in (1, 2, 3):
+        pub.plan("solver", version, "h:1", now=float(version))
+        pub.done("solver", version, 0.1, ok=True, left_out=["fake"])
+        pub.loaded("a1", "solver", version, ok=True)
+        pub.loaded("fake", "solver", version, ok=True)  # it never checked in
+    assert pub.actors["fake"].versions.get("solver", 0) == 0
+    assert pub.actors["a1"].versions["solver"] == 3
+    assert pub.counters["weight_loads_unexpected"] == 3
+    assert pub.take_never_joined() == ["fake"]
+
+
+def test_an_actor_still_loading_is_not_stale() -> None:
+    """Joined and not yet reported: its learner must not re-publish to it meanwhile (under
+    load, 80 to 299 re-publishes in a 6-step run came from actors still loading)."""
+    pub = publishing("a1")
+    pub.plan("solver", 1, "h:1", now=0.0)
+    pub.done("solver", 1, 0.1, ok=True)
+    assert pub.stale_actors("solver", 1, now=1.0) == []  # still receiving or loading
+    bound = pub.cfg.weights.timeout_s + pub.cfg.weights.join_timeout_s
+    assert pub.stale_actors("solver", 1, now=bound + 0.1) == ["a1"]  # it never reported
+    pub.loaded("a1", "solver", 1, ok=True)
+    assert pub.stale_actors("solver", 1, now=bound + 0.2) == []
 
 
 def test_a_member_that_checks_in_again_starts_its_count_afresh() -> None:
