@@ -27,6 +27,8 @@ MAX_QUERY_CHARS = 4096
 """A longer query is refused (400)."""
 HEAD_BYTES = 64 << 10
 """Bytes a request line and its headers may take together (more: 431 and closed)."""
+MAX_QUERY_TERMS = 256
+"""Words (whitespace-separated) one query may hold: bm25's cost grows with them."""
 LARGE_BODY_BYTES = 64 << 10
 """Bodies over this are read and decoded one at a time (see handler.BodyGate)."""
 
@@ -141,6 +143,12 @@ def parse(body: bytes, top_k_default: int, limits: Limits) -> tuple[list[str], i
     queries = request.queries
     if len(queries) > limits.max_queries:
         raise BadRequest(f"{len(queries)} queries in one request, at most {limits.max_queries}")
+    for i, query in enumerate(queries):
+        if (terms := len(query.split())) > MAX_QUERY_TERMS:
+            raise BadRequest(
+                f"query {i} has {terms} words, at most {MAX_QUERY_TERMS}: a search query is "
+                "a few words (each word costs a pass over its postings)"
+            )
     top_k = request.topk or top_k_default
     if not 1 <= top_k <= limits.max_topk:
         raise BadRequest(

@@ -377,3 +377,81 @@ def alive(sock: socket.socket) -> bool:
         return False
     finally:
         sock.setblocking(True)
+
+
+class Gated:
+    """A retriever whose every search call waits for the test to let it go, and records
+    the queries of each call: the test decides who runs when, not the clock."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.entered = threading.Semaphore(0)
+        self.go = threading.Semaphore(0)
+
+    def search(self, queries: list[str], top_k: int) -> list[list[Passage]]:
+        self.calls.append(list(queries))
+        self.entered.release()
+        assert self.go.acquire(timeout=60), "the test never let the search go"
+        return [[Passage(q, "title", "text", 1.0)] for q in queries]
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_long_request_is_searched_in_chunks_and_honest_ones_go_between() -> None:
+    """One request of 1,024 queries held the index's lock 56-66 s while a request of one
+    query waited behind it. Now it is searched SEARCH_CHUNK queries at a time, the lock
+    granted in the order asked, so the honest request runs after the first chunk."""
+    from drmas.retrieval.handler import SEARCH_CHUNK
+
+    gated = Gated()
+    server = make_server(gated, "127.0.0.1", 0, 2, Limits())  # type: ignore[arg-type]
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    answers: dict[str, tuple[int, dict[str, object]]] = {}
+
+    def ask(name: str, queries: list[str]) -> None:
+        answers[name] = exchange(server, post(json.dumps({"queries": queries}).encode()))
+
+    big = [f"q{i}" for i in range(4 * SEARCH_CHUNK)]
+    try:
+        flood = threading.Thread(target=ask, args=("big", big))
+        flood.start()
+        assert gated.entered.acquire(timeout=60)  # the big request's first chunk runs
+        honest = threading.Thread(target=ask, args=("honest", ["who wrote hamlet"]))
+        honest.start()
+        wait_until(lambda: len(server.service.lock._queue) == 2, "the honest one never queued", 60)
+        gated.go.release()  # first chunk done: the honest request is next in line
+        assert gated.entered.acquire(timeout=60)
+        assert gated.calls[1] == ["who wrote hamlet"]
+        gated.go.release()
+        honest.join(60)
+        assert answers["honest"][0] == 200
+        for _ in range(3):  # the big request's other chunks
+            assert gated.entered.acquire(timeout=60)
+            gated.go.release()
+        flood.join(60)
+    finally:
+        for _ in range(8):
+            gated.go.release()
+        server.shutdown()
+        server.server_close()
+    status, body = answers["big"]
+    assert status == 200 and [r[0]["id"] for r in body["result"]] == big  # type: ignore[index]
+    assert [len(c) for c in gated.calls] == [
+        SEARCH_CHUNK,
+        1,
+        SEARCH_CHUNK,
+        SEARCH_CHUNK,
+        SEARCH_CHUNK,
+    ]
+
+
+def test_a_query_of_too_many_words_is_refused() -> None:
+    from drmas.retrieval.intake import MAX_QUERY_TERMS
+
+    with serving(Limits()) as server:
+        words = " ".join(["w"] * (MAX_QUERY_TERMS + 1))
+        status, body = exchange(server, post(json.dumps({"queries": ["ok", words]}).encode()))
+        assert status == 400 and f"query 1 has {MAX_QUERY_TERMS + 1} words" in str(body["error"])
+        fine = " ".join(["w"] * MAX_QUERY_TERMS)
+        assert exchange(server, post(json.dumps({"queries": [fine]}).encode()))[0] == 200
