@@ -4,7 +4,10 @@ libzmq accepts every TCP connection to the ROUTER and keeps each one (its buffer
 until the peer closes it; it has no per-peer limit. The broker loop (server.py) owns one
 ConnectionCap: it watches the ROUTER's monitor socket, counts accepted connections per
 peer host and in all, and shuts down (SHUT_RDWR on a duplicate of the file descriptor
-libzmq reports) each connection beyond `max_per_host` or `max_total`. libzmq then sees the
+libzmq reports) each connection beyond `max_per_host` or `max_total`, except that a host at
+its cap first loses its actor connection that holds no lease and has been silent longest
+(`idle_rank`, from the intake), so a host's idle actors cannot keep the run's learner
+out. libzmq then sees the
 peer gone and closes its side cleanly, so no file descriptor is ever closed under libzmq's
 feet. Every loopback address (127.0.0.0/8, ::1) is one host, so aliases such as 127.0.0.2
 share one cap; an IPv4-mapped IPv6 address is its IPv4 host. Connections not over TCP
@@ -83,6 +86,9 @@ class ConnectionCap:
         # the broker's counters
         self.welcomed: Callable[[int], bool] = lambda _fd: False
         self.on_gone: Callable[[int], None] = lambda _fd: None
+        # (set by the broker) how idle a connection is, lowest first to be shut when its
+        # host is at the cap; None: never shut for a newcomer (a learner, a busy actor)
+        self.idle_rank: Callable[[int], float | None] = lambda _fd: None
         self.counters: collections.Counter[str] = collections.Counter()
         self.key_roles = key_roles  # None: no CURVE, no key to count
         self.monitor = router.get_monitor_socket(_EVENTS)
@@ -110,7 +116,7 @@ class ConnectionCap:
         self.opened_at.pop(fd, None)
         self.evicted.discard(fd)
         host = self.open.pop(fd, None)
-        if host is not None:
+        if host:  # "" once shut to make room: already freed
             self.per_host[host] -= 1
             if self.per_host[host] <= 0:
                 del self.per_host[host]
@@ -132,7 +138,7 @@ class ConnectionCap:
                 return  # not a TCP peer
             over = (
                 f"{host} holds {self.per_host[host]} connections (broker.max_connections_per_host)"
-                if self.per_host[host] >= self.max_per_host
+                if self.per_host[host] >= self.max_per_host and not self._make_room(host)
                 else f"{len(self.open)} connections are open (broker.max_connections)"
                 if len(self.open) >= self.max_total
                 else ""
@@ -151,6 +157,26 @@ class ConnectionCap:
         self.per_host[host] += 1
         if self.watch is not None:
             self.watch.accepted(fd)
+
+    def _make_room(self, host: str) -> bool:
+        """`host` is at max_per_host: shut its actor connection that holds no lease and has
+        been silent longest (`idle_rank`) so the newcomer, which may be the run's own
+        learner, gets in (True); False when none is such. 256 actor connections from one
+        host used to keep the run's learner out (an honest actor shut so says Hello again)."""
+        ranked = [
+            (rank, fd)
+            for fd, h in self.open.items()
+            if h == host and fd not in self.evicted and (rank := self.idle_rank(fd)) is not None
+        ]
+        if not ranked:
+            return False
+        _, fd = min(ranked)
+        self.counters["dropped/host_cap_idle"] += 1
+        self.shut(fd)
+        self.evicted.add(fd)
+        self.per_host[host] -= 1  # counted free now; `_gone` must not free it twice
+        self.open[fd] = ""  # ... so it leaves `open` under no host
+        return True
 
     def _room_for_unwelcomed(self, fd: int, host: str) -> bool:
         """At max_unwelcomed connections without a registered client, make room or refuse

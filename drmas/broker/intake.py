@@ -139,6 +139,7 @@ class Intake:
         connections.watch = self.watch
         connections.counters = counters
         connections.welcomed = self._welcomed
+        connections.idle_rank = self._idle_rank
         connections.on_gone = self._gone
         self.identity_at: dict[int, bytes] = {}  # connection (fd) -> identity its messages named
         self.banned: dict[bytes, tuple[float, float]] = {}  # identity -> (until, ban length)
@@ -259,6 +260,17 @@ class Intake:
         """Whether connection `fd`'s messages named a registered client."""
         identity = self.identity_at.get(fd)
         return identity is not None and self.role_of(identity) is not None
+
+    def _idle_rank(self, fd: int) -> float | None:
+        """For ConnectionCap._make_room: when connection `fd`'s actor last sent anything,
+        if it is an actor holding no lease (the longest silent is shut first); None for
+        every other connection (learners, busy actors, and those without a Hello, which
+        broker.max_unwelcomed_connections bounds on its own)."""
+        identity = self.identity_at.get(fd)
+        if identity is None or self.role_of(identity) != "actor" or self.leases_of(identity):
+            return None
+        peer = self.peers.get(identity)
+        return peer.seen if peer is not None else self.connections.opened_at.get(fd, 0.0)
 
     def is_learner(self, identity: bytes) -> bool:
         return bool(identity) and self.role_of(identity) == "learner"

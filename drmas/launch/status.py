@@ -118,7 +118,12 @@ def ask_status(
     """The broker's StatusReply, or the exit code after printing why there is none."""
     from drmas.config.transport import SecurityConfig
     from drmas.protocol.messages import StatusReply, StatusRequest
-    from drmas.transports.channel import BrokerClient, BrokerUnavailable
+    from drmas.transports.channel import (
+        HELLO_CLOSES,
+        BrokerClient,
+        BrokerRefused,
+        BrokerUnavailable,
+    )
     from drmas.transports.security import SecurityError, find_client
 
     if keys_dir and not client_name:  # any authorised pair may ask; prefer "default"
@@ -137,12 +142,16 @@ def ask_status(
         )
         return 2
     try:
-        return client.request(StatusRequest(), StatusReply, timeout_s)
+        # closed at once (a connection cap) is said so, not left to time out
+        return client.request(StatusRequest(), StatusReply, timeout_s, max_closes=HELLO_CLOSES)
     except BrokerUnavailable as exc:
         hint = (
             "" if keys_dir else " (a broker with security.curve=true answers only with --keys DIR)"
         )
         print(f"drmas status: {exc}{hint}", file=sys.stderr)
+        return 1
+    except BrokerRefused as exc:  # e.g. closed at a connection cap, with which one
+        print(f"drmas status: {exc}", file=sys.stderr)
         return 1
     finally:
         client.close()

@@ -354,3 +354,25 @@ def test_connections_per_curve_key_are_capped_and_observer_keys_hold_few() -> No
         cap.close()
         router.close(linger=0)
         ctx.term()
+
+
+def test_at_the_host_cap_an_idle_actor_makes_room_for_the_learner(tmp_path: Path) -> None:
+    """256 actor connections from one host filled broker.max_connections_per_host and the
+    run's own learner was refused. At the cap, the actor connection that holds no lease
+    and has been silent longest is shut for the newcomer; a learner is never shut so."""
+    from drmas.protocol.messages import Welcome
+    from drmas.transports.channel import BrokerClient
+    from tests.fixtures.broker_server import serving_broker
+
+    with serving_broker(tmp_path, "broker.max_connections_per_host=4") as srv:
+        actors = [BrokerClient(srv.address, f"actor-{i}") for i in range(4)]
+        learner = BrokerClient(srv.address, "learner-solver-0")
+        try:
+            for a in actors:
+                assert isinstance(a.hello("actor", ["solver", "verifier"], timeout_s=30), Welcome)
+            welcome = learner.hello("learner", ["solver"], timeout_s=30, rank=0, world_size=1)
+            assert isinstance(welcome, Welcome)
+            assert srv.state.counters["dropped/host_cap_idle"] == 1
+        finally:
+            for c in [*actors, learner]:
+                c.close()

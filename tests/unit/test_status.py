@@ -124,3 +124,20 @@ def test_names_from_clients_are_printed_as_text_never_as_markup(
     out = capsys.readouterr().out
     for text in (host, "actor-[red]1[/red]", "run[/]", "m[/i]", "m[b]=v1", "c[/u]"):
         assert text in out
+
+
+def test_status_at_a_connection_cap_says_so_instead_of_did_not_answer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from drmas.transports.channel import BrokerClient
+    from tests.fixtures.broker_server import serving_broker
+
+    with serving_broker(tmp_path, "broker.max_connections_per_host=1") as srv:
+        learner = BrokerClient(srv.address, "learner-solver-0")  # the host's one connection
+        try:
+            learner.hello("learner", ["solver"], timeout_s=30, rank=0, world_size=1)
+            code = main(["status", srv.address, "--timeout", "30"])
+        finally:
+            learner.close()
+    err = capsys.readouterr().err
+    assert code != 0 and "broker.max_connections_per_host" in err, err
