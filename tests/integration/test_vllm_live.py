@@ -179,6 +179,7 @@ def test_update_during_generation_loses_nothing(
     engine.cfg.pause_mode = mode
     max_new = 240
     before = engine.version
+    restarted = engine.requests_restarted
 
     async def scenario() -> tuple[list[GenerateResult], list[bool], list[GenerateResult]]:
         learner.step()  # before: nothing but the pause between the count and the update
@@ -214,10 +215,15 @@ def test_update_during_generation_loses_nothing(
         check(result, max_new)
     assert all(r.version == after for r in second)
     busy = [r.version for r, b in zip(first, in_flight) if b]
+    restarts = engine.requests_restarted - restarted
     if mode == "keep":  # in-flight requests finish and keep the version they started with
-        assert busy == [before] * len(busy)
-    else:  # restarted from their prompt after the update (unless they ended just before it)
-        assert set(busy) <= {before, after} and busy.count(after) >= len(busy) // 2
+        assert busy == [before] * len(busy) and restarts == 0
+    else:
+        # every request the update aborted was restarted from its prompt and finished on
+        # the new weights, and only those did: how many were still running when the pause
+        # came depends on how fast the machine decodes, so no share of them is asserted
+        assert set(busy) <= {before, after}
+        assert [r.version for r in first].count(after) == restarts
     assert all(r.version == before for r, busy in zip(first, in_flight) if not busy)
 
 

@@ -193,6 +193,7 @@ class VLLMEngine:
         self._ids = itertools.count()
         self._open = asyncio.Event()  # set while not paused: new requests may be submitted
         self._pauses = 0  # pauses so far: a request aborted by one of them is restarted
+        self.requests_restarted = 0  # requests aborted by a weight update and resubmitted
         self._digest = ""
         self._vocab_size = 0
         self.adapters: vllm_lora.AdapterServer | None = None
@@ -283,6 +284,7 @@ class VLLMEngine:
             version, pauses = self.version, self._pauses
             out, request_id = await self._run(prompt, params, request.adapter)
             if out.finish_reason == "abort" and self._pauses != pauses:
+                self.requests_restarted += 1
                 continue  # aborted by a weight update (abort mode): start again, new weights
             if out.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"vLLM request {request_id} ended with {out.finish_reason!r}")
