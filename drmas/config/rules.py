@@ -128,6 +128,14 @@ def _check_counts(cfg: DrmasConfig) -> None:
 
 def _check_probe(cfg: DrmasConfig) -> None:
     p = cfg.probe
+    scaled = {a: c for a, c in cfg.workflow.reward_scale.items() if c != 1.0}
+    if p.rewards and scaled:
+        raise ConfigError(
+            f"probe.rewards draws synthetic scores and does not apply workflow.reward_scale "
+            f"({scaled}): give each agent's [mean, std] on the scale you mean (multiplied by "
+            "its c) and drop workflow.reward_scale, or drop probe.rewards to probe the "
+            "team's real, scaled scores"
+        )
     if p.rewards and set(p.rewards) != set(cfg.agents):
         raise ConfigError(
             f"probe.rewards must give [mean, std] for every agent {sorted(cfg.agents)}, "
@@ -190,6 +198,18 @@ def _check_sigma_options(cfg: DrmasConfig) -> None:
             "algorithm.zero_variance_by=model says whose signal algorithm.skip_zero_variance "
             "looks at, and skip_zero_variance is off: set algorithm.skip_zero_variance=true "
             "too, or drop zero_variance_by"
+        )
+    if cfg.algorithm.zero_variance_by == "model" and (
+        adv.mode in ("global", "step_global", "agent_std") or adv.scope == "batch"
+    ):
+        raise ConfigError(
+            f"algorithm.zero_variance_by=model leaves out a model's slice when its own "
+            "agents' scores tie in the group, which is safe only where such a slice's "
+            "advantages are all zero: modes agent, agent_turn and agent_mean, centred by "
+            f"each agent's own group mean. Under mode={adv.mode} (scope={adv.scope}) the "
+            "centre is pooled with other agents' scores or over the batch, so the slice "
+            "carries a signal and would be dropped: use zero_variance_by=group, or one of "
+            "those modes"
         )
     if adv.std_floor > 0 and not adv.norm_by_std:
         raise ConfigError(

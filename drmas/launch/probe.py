@@ -100,7 +100,7 @@ def measure_gradients(
 ) -> tuple[dict[str, AgentRows], dict[str, list[float]], dict[str, dict[str, dict[str, float]]]]:
     """A world-1 learner (one Trainer per model) measures every agent's gradient moments in
     every group under each advantage mode. Returns the rows of the agents that acted, every
-    agent's step scores, and each agent's credit share under each mode (credit_shares)."""
+    agent's step scores, and each agent's own r^2 under each mode (credit_shares)."""
     import torch.distributed as dist
 
     from drmas.learners.main import learner_device
@@ -133,14 +133,15 @@ def measure_gradients(
 def credit_shares(
     step_agents: list[list[str]], scores: list[np.ndarray], advantages: list[dict[str, np.ndarray]]
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """agent -> mode -> how much of the agent's advantage comes from its own scores:
-    `own_r2`, the squared correlation, within a group, between its advantages and its own
-    scores, averaged over the groups where it has at least 2 steps whose scores vary
-    (`groups` counts them). 1: in every group its advantage is an affine function of its
-    own scores, so a mode differs from `agent` only by a rescaling (Lemma 4.2's F_k).
-    Below 1: part of it comes from the other agents' scores, a credit problem (`global`
-    gives every step of an episode the episode's mean score). An advantage that does not
-    vary where the agent's scores do counts 0."""
+    """agent -> mode -> `own_r2`: the squared correlation, within a group, between the
+    agent's advantages and its own scores, averaged over the groups where it has at least
+    2 steps whose scores vary (`groups` counts them). 1: in every group its advantages are
+    one affine function of its own scores, so a mode differs from `agent` only by a
+    rescaling and a shift (Lemma 4.2's F_k). Below 1: they are not, whatever the cause:
+    other agents' scores (`global` gives every step of an episode the episode's mean
+    score) or a split of the agent's own steps (`agent_turn` normalises each turn apart).
+    It is not the share of the advantage that comes from the agent's own scores. An
+    advantage that does not vary where the agent's scores do counts 0."""
     sums: dict[str, dict[str, list[float]]] = {}
     for agents, group_scores, by_mode in zip(step_agents, scores, advantages):
         names = np.asarray(agents)
@@ -304,8 +305,9 @@ def format_table(result: dict[str, Any]) -> str:
     if credit:
         modes = list(next(iter(credit.values())))
         lines += [
-            "credit: share of each agent's advantage explained by its own scores (r^2 within "
-            "a group, mean over groups; 1 = a rescaling only, < 1 = others' scores mixed in)",
+            "own r^2: are an agent's advantages one affine function of its own scores? (r^2 "
+            "within a group, mean over groups; 1 = yes, a rescaling and shift of `agent`; < 1 = "
+            "no: others' scores mixed in, or its turns normalised apart)",
             f"{'agent':<12}" + "".join(f"{m:>13}" for m in modes) + "   groups",
         ]
         for agent, by_mode in credit.items():

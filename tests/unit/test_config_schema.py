@@ -90,6 +90,15 @@ def test_each_field_constraint_is_refused_with_key_value_and_what_is_allowed(
         (["group_size=1"], r"group_size must be >= 2 for group-relative advantages"),
         (["weights.host=0.0.0.0"], r"weights\.host='0\.0\.0\.0' is a wildcard: .* Set the address"),
         (["weights.host=::"], r"weights\.host='::' is a wildcard"),
+        (["algorithm.skip_zero_variance=true", "algorithm.zero_variance_by=model",
+          "algorithm.advantage.mode=step_global"], r"zero_variance_by=model .* Under mode=step_global"),
+        (["algorithm.skip_zero_variance=true", "algorithm.zero_variance_by=model",
+          "algorithm.advantage.mode=global"], r"safe only where such a slice's advantages are all zero"),
+        (["experiment=tiny_math_shared", "algorithm.skip_zero_variance=true",
+          "algorithm.zero_variance_by=model", "algorithm.advantage.scope=batch"],
+         r"\(scope=batch\)"),
+        (["+probe.rewards={solver: [0.5, 0.2], verifier: [0.5, 0.2]}",
+          "+workflow.reward_scale.verifier=0.1"], r"probe\.rewards draws synthetic scores and does not apply workflow\.reward_scale"),
         (["task.name=jsonl"], r"task\.name=jsonl needs task\.train_path=FILE"),
         (["+actor.pools={critic: {name: sim}}"], r"actor\.pools names \['critic'\]"),
         (["models.solver.dtype=bfloat16"], r"models\.solver\.dtype='bfloat16' was replaced by models\.solver\.precision"),
@@ -244,3 +253,14 @@ def test_the_config_bound_on_a_group_is_what_the_wire_carries() -> None:
     from drmas.protocol import wire_limits
 
     assert types.MAX_GROUP_EPISODES == wire_limits.MAX_GROUP_EPISODES
+
+
+@pytest.mark.parametrize("mode", ["agent", "agent_turn", "agent_mean"])
+def test_zero_variance_by_model_is_accepted_where_a_tied_slice_has_zero_advantages(
+    mode: str,
+) -> None:
+    cfg = load_config(
+        ["algorithm.skip_zero_variance=true", "algorithm.zero_variance_by=model",
+         f"algorithm.advantage.mode={mode}"]
+    )  # fmt: skip
+    assert cfg.algorithm.zero_variance_by == "model"
