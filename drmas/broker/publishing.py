@@ -48,6 +48,12 @@ join_timeout_s have passed: it would miss that roll call through no fault of its
 nor is it counted stale meanwhile (`stale_actors`), so its learner does not re-publish
 to it while it loads.
 
+A publish that fails after its roll call (a member checked in and then never joined the
+group, or left it) cannot say which member broke it. The members that checked in become
+suspects, and the model's next re-publishes go to one suspect at a time: the honest ones
+load, and one that fails even a group of its own is counted as a missed join (dropped
+after MAX_MISSED_JOINS), so no honest actor is counted and the run keeps publishing.
+
 Bounded: digests are kept for the last three versions of each model only.
 """
 
@@ -118,6 +124,8 @@ class WeightPublishing:
         self.failed_loads: dict[tuple[str, str], tuple[int, int, float]] = {}
         self.closed = False  # the run is over and actors were told to stop: publish to none
         self.members: dict[str, list[str]] = {}  # model -> members of its last plan
+        # model -> members of a failed publish not yet tried alone (`_failed_group`)
+        self.suspects: dict[str, list[str]] = {}
         self.missed_joins: collections.Counter[str] = collections.Counter()  # in a row
         self.never_joined: list[str] = []  # reached MAX_MISSED_JOINS: for the state to drop
         # (actor, model) -> when it was sent a join it has neither loaded nor been left out
@@ -171,10 +179,15 @@ class WeightPublishing:
             members = []
             self.counters["weight_publishes_after_last_step_skipped"] += 1
         elif self.planned.get(model) == version:
-            members = self.stale_actors(model, version, now)
+            members = self._one_suspect(model, self.stale_actors(model, version, now))
             self.counters["weight_republishes"] += 1
         else:
-            members = sorted(a.client_id for a in self.actors.values() if model in a.models)
+            suspects = set(self.suspects.get(model, ()))
+            members = sorted(
+                a.client_id
+                for a in self.actors.values()
+                if model in a.models and a.client_id not in suspects
+            )
             full = True
         busy = [cid for cid in members if self._busy(cid, model, now)]
         if busy:
@@ -254,6 +267,10 @@ class WeightPublishing:
         if not ok or left_out:  # a group of other members formed: the next one is new
             self.forget_group(model)
         self._left_out(model, version, left_out)
+        if not ok:
+            self._failed_group(
+                model, version, [m for m in self.members.get(model, []) if m not in left_out]
+            )
         if ok and digest:
             self.sent_digest[(model, version)] = digest
             self._compare(model, version)
@@ -265,6 +282,31 @@ class WeightPublishing:
             if model in self.carried:
                 values[f"publish_adapters/{model}"] = float(self.carried[model])
             self.metrics.report(version, model, "publish", values, dict(self.counters))
+
+    def _failed_group(self, model: str, version: int, present: list[str]) -> None:
+        """A publish failed after its roll call: one of the members that checked in may have
+        broken it (checked in, then never joined the group). Alone in the group, that
+        member is the one: its miss is counted as a missed join. With several, each is
+        tried alone in the next re-publishes (`_one_suspect`), so the one that breaks its
+        own group is found and the others load; none is counted before."""
+        if len(present) == 1:
+            self._missed(present[0], version, "made its own group fail")
+        elif present:
+            self.suspects[model] = sorted(set(self.suspects.get(model, [])) | set(present))
+
+    def _one_suspect(self, model: str, stale: list[str]) -> list[str]:
+        """The members of a re-publish while `model` has suspects: one of them, alone (the
+        first that is stale and not still receiving); else the stale actors as usual."""
+        suspects = [c for c in self.suspects.get(model, []) if c in self.actors]
+        if not suspects:
+            self.suspects.pop(model, None)
+            return stale
+        pick = next((c for c in suspects if c in stale), None)
+        if pick is None:
+            return []  # suspects still receiving the failed group: wait for them
+        suspects.remove(pick)
+        self.suspects[model] = suspects
+        return [pick]
 
     def _busy(self, client_id: str, model: str, now: float) -> bool:
         """Whether the actor may still be receiving an earlier publish of `model` (joined,
@@ -284,15 +326,18 @@ class WeightPublishing:
                 continue  # it said Goodbye or was dropped meanwhile
             self.counters["weight_joins_missed"] += 1
             self._failed(client_id, model, version, now)
-            self.missed_joins[client_id] += 1
-            self._bound_missed_joins()
-            if self.missed_joins[client_id] >= MAX_MISSED_JOINS:
-                log.error(
-                    "%s missed %d weight publishes in a row (never checked in within "
-                    "weights.join_timeout_s): dropping it",
-                    client_id, MAX_MISSED_JOINS,
-                )  # fmt: skip
-                self.never_joined.append(client_id)
+            self._missed(client_id, version, "never checked in within weights.join_timeout_s")
+
+    def _missed(self, client_id: str, version: int, how: str) -> None:
+        """One more publish in a row the actor missed; at MAX_MISSED_JOINS it is dropped."""
+        self.missed_joins[client_id] += 1
+        self._bound_missed_joins()
+        if self.missed_joins[client_id] >= MAX_MISSED_JOINS:
+            log.error(
+                "%s missed %d weight publishes in a row (the last, v%d: %s): dropping it",
+                client_id, self.missed_joins[client_id], version, how,
+            )  # fmt: skip
+            self.never_joined.append(client_id)
 
     def take_never_joined(self) -> list[str]:
         """Actors to drop now (each once): they missed MAX_MISSED_JOINS publishes in a row.

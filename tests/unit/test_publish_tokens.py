@@ -166,3 +166,46 @@ def test_a_member_that_checks_in_again_starts_its_count_afresh() -> None:
     pub.plan("solver", 4, "h:1", now=4.0)
     pub.done("solver", 4, 0.1, ok=True, left_out=["a1"])
     assert pub.take_never_joined() == [] and pub.missed_joins["a1"] == 1
+
+
+def test_a_member_that_checks_in_and_breaks_the_group_is_found_by_trying_each_alone() -> None:
+    """A fake actor checks in at the roll call and never joins: the publish fails for
+    everyone. The members that checked in are then re-published to one at a time, so the
+    honest ones load and the one that breaks even its own group is counted, and dropped
+    after MAX_MISSED_JOINS publishes; no honest actor is ever counted."""
+    pub = publishing("a1", "a2", "fake")
+    plan, _ = pub.plan("solver", 1, "h:1", now=0.0)
+    assert plan.members == ["a1", "a2", "fake"]
+    pub.done("solver", 1, 60.0, ok=False)  # checked in, all of them; the group never formed
+    assert pub.missed_joins == {} and pub.suspects["solver"] == ["a1", "a2", "fake"]
+    pub.loaded("a1", "solver", 1, ok=False)  # the honest ones time out too and say so
+    pub.loaded("a2", "solver", 1, ok=False)  # (the fake stays silent: busy for a while)
+    now = 100.0  # past weights.timeout_s + join_timeout_s: the fake is not busy any more
+    for honest in ("a1", "a2"):
+        plan, _ = pub.plan("solver", 1, "h:1", now=now)
+        assert plan.members == [honest]  # alone
+        pub.done("solver", 1, 0.1, ok=True)
+        pub.loaded(honest, "solver", 1, ok=True)
+    plan, _ = pub.plan("solver", 1, "h:1", now=now)
+    assert plan.members == ["fake"]
+    pub.done("solver", 1, 60.0, ok=False)  # alone, it fails its own group: the culprit
+    assert pub.missed_joins == {"fake": 1} and not pub.suspects.get("solver")
+    for version in (2, 3):  # every version: the full publish fails, then each alone
+        now += 100.0
+        plan, _ = pub.plan("solver", version, "h:1", now=now)
+        assert plan.members == ["a1", "a2", "fake"]
+        pub.done("solver", version, 60.0, ok=False)
+        for honest in ("a1", "a2"):
+            pub.loaded(honest, "solver", version, ok=False)
+        now += 100.0
+        for honest in ("a1", "a2"):
+            plan, _ = pub.plan("solver", version, "h:1", now=now)
+            assert plan.members == [honest]
+            pub.done("solver", version, 0.1, ok=True)
+            pub.loaded(honest, "solver", version, ok=True)
+        plan, _ = pub.plan("solver", version, "h:1", now=now)
+        assert plan.members == ["fake"]
+        pub.done("solver", version, 60.0, ok=False)
+    assert pub.take_never_joined() == ["fake"]
+    assert pub.missed_joins == {"fake": MAX_MISSED_JOINS}  # never an honest actor
+    assert pub.actors["a1"].versions["solver"] == pub.actors["a2"].versions["solver"] == 3
