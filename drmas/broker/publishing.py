@@ -52,7 +52,9 @@ A publish that fails after its roll call (a member checked in and then never joi
 group, or left it) cannot say which member broke it. The members that checked in become
 suspects, and the model's next re-publishes go to one suspect at a time: the honest ones
 load, and one that fails even a group of its own is counted as a missed join (dropped
-after MAX_MISSED_JOINS), so no honest actor is counted and the run keeps publishing.
+after MAX_MISSED_JOINS), so no honest actor is counted and the run keeps publishing. A
+member of a publish that succeeds is a suspect no more. Each new version still goes to
+every actor at once (so a culprit costs one failed publish per version until dropped).
 
 Bounded: digests are kept for the last three versions of each model only.
 """
@@ -182,12 +184,7 @@ class WeightPublishing:
             members = self._one_suspect(model, self.stale_actors(model, version, now))
             self.counters["weight_republishes"] += 1
         else:
-            suspects = set(self.suspects.get(model, ()))
-            members = sorted(
-                a.client_id
-                for a in self.actors.values()
-                if model in a.models and a.client_id not in suspects
-            )
+            members = sorted(a.client_id for a in self.actors.values() if model in a.models)
             full = True
         busy = [cid for cid in members if self._busy(cid, model, now)]
         if busy:
@@ -267,10 +264,11 @@ class WeightPublishing:
         if not ok or left_out:  # a group of other members formed: the next one is new
             self.forget_group(model)
         self._left_out(model, version, left_out)
+        present = [m for m in self.members.get(model, []) if m not in left_out]
         if not ok:
-            self._failed_group(
-                model, version, [m for m in self.members.get(model, []) if m not in left_out]
-            )
+            self._failed_group(model, version, present)
+        elif model in self.suspects:  # in a group that worked: not the one that breaks them
+            self.suspects[model] = [c for c in self.suspects[model] if c not in present]
         if ok and digest:
             self.sent_digest[(model, version)] = digest
             self._compare(model, version)
