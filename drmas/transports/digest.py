@@ -9,9 +9,24 @@ peer systems). Order-independent: sha256 over the sorted (name, sha256(bytes)) p
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+PARALLEL_BYTES = 64 << 20
+"""From this many bytes in one `add_all`, tensors are hashed on several threads."""
+
+
+def _part(tensor: torch.Tensor) -> str:
+    """sha256 of the dtype's name and the tensor's bytes."""
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    h = hashlib.sha256(str(tensor.dtype).encode())
+    # hashed where it lies (the buffer protocol): a bytes copy of a 538 MB model cost
+    # as much as the hash itself (0.27 s against 0.32 s on a 2-core CPU)
+    h.update(data.numpy().data)
+    return h.hexdigest()
 
 
 class Digest:
@@ -19,12 +34,27 @@ class Digest:
         self._parts: dict[str, str] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        h = hashlib.sha256(str(tensor.dtype).encode())
-        # hashed where it lies (the buffer protocol): a bytes copy of a 538 MB model cost
-        # as much as the hash itself (0.27 s against 0.32 s on a 2-core CPU)
-        h.update(data.numpy().data)
-        self._parts[name] = h.hexdigest()
+        self._parts[name] = _part(tensor)
+
+    def add_all(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """`add` each; a model's worth on one thread per CPU (hashlib lets go of the
+        interpreter lock while it hashes, and each tensor's hash is its own), largest
+        tensors first: the engine's fingerprint of SmolLM2 after a load took 0.33 s on one
+        thread of a 2-core CPU."""
+        items = list(dict(named).items())  # a repeated name: the last one, as `add` does
+        total = sum(t.numel() * t.element_size() for _, t in items)
+        workers = min(
+            len(items), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        )
+        if total < PARALLEL_BYTES or workers < 2:
+            for name, tensor in items:
+                self.add(name, tensor)
+            return
+        items.sort(key=lambda nt: -nt[1].numel() * nt[1].element_size())
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="digest") as pool:
+            parts = list(pool.map(lambda nt: _part(nt[1]), items))
+        for (name, _), part in zip(items, parts):
+            self._parts[name] = part
 
     def hexdigest(self) -> str:
         return self.hexdigest_of(self._parts)
@@ -41,8 +71,7 @@ class Digest:
 
 def digest_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     d = Digest()
-    for name, tensor in named_tensors:
-        d.add(name, tensor)
+    d.add_all(named_tensors)
     return d.hexdigest()
 
 

@@ -376,3 +376,22 @@ def test_non_finite_weights_with_a_correct_digest_never_reach_the_engine(sender,
     assert "not making them live" in str(error)
     assert [n for n, _ in loaded] == ["b.weight"]  # the bf16 bucket only: finite
     assert all(torch.isfinite(t).all() for _, t in loaded)
+
+
+def test_a_model_fingerprinted_on_several_threads_is_fingerprinted_the_same() -> None:
+    """digest_of hashes a model's worth of tensors on one thread per CPU; the fingerprint
+    is the one the per-tensor Digest.add gives (what the learner sends), names and dtypes
+    included, a repeated name counting once (its last tensor)."""
+    from drmas.transports.digest import PARALLEL_BYTES, Digest, digest_of
+
+    g = torch.Generator().manual_seed(0)
+    named = [(f"layer{i}.weight", torch.randn(1 << 20, generator=g)) for i in range(20)]
+    named += [("embed", torch.randn(PARALLEL_BYTES // 4, generator=g).to(torch.bfloat16)),
+              ("layer3.weight", torch.zeros(4))]  # fmt: skip
+    serial = Digest()
+    for name, tensor in named:
+        serial.add(name, tensor)
+    assert digest_of(named) == serial.hexdigest()
+    flipped = [(n, t.clone()) for n, t in named]
+    flipped[5][1][7] += 1.0
+    assert digest_of(flipped) != serial.hexdigest()
