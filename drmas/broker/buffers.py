@@ -179,8 +179,27 @@ def slice_advantages(slices: list[GroupSlice], adv: AdvantageConfig) -> list[np.
     ]
 
 
+def call_weights(keys: list[tuple[int, str]]) -> list[float]:
+    """Per sample (its group, its agent): 1/n with n the samples of that (group, agent),
+    divided by the mean of those over all the samples (so they average 1)."""
+    counts = collections.Counter(keys)
+    raw = [1.0 / counts[k] for k in keys]
+    mean = sum(raw) / len(raw) if raw else 1.0
+    return [r / mean for r in raw]
+
+
 def batch_samples(slices: list[GroupSlice], adv: AdvantageConfig) -> list[Sample]:
-    """This model's steps of the batch, with whole-group advantages, as training samples."""
+    """This model's steps of the batch, with whole-group advantages, as training samples
+    (with balance_calls, each weighted by call_weights over the batch)."""
+    samples = _samples(slices, adv)
+    if adv.balance_calls and samples:
+        keys = [(i, agent) for i, sl in enumerate(slices) for agent in sl.columns.agents]
+        for sample, w in zip(samples, call_weights(keys), strict=True):
+            sample.loss_weight = w
+    return samples
+
+
+def _samples(slices: list[GroupSlice], adv: AdvantageConfig) -> list[Sample]:
     samples = []
     for sl, advantages in zip(slices, slice_advantages(slices, adv)):
         c = sl.columns

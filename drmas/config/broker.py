@@ -41,6 +41,12 @@ class AdvantageConfig:
     std_floor: NonNegativeFloat = 0.0
     """A floor under every sigma, on the reward scale (0 = none): a difference smaller
     than it (e.g. only the invalid-action penalty) is not blown up to unit size."""
+    balance_calls: bool = False
+    """Weight each sample's policy-gradient loss by 1/n, n = its agent's calls in its group
+    (all G episodes), normalised to mean 1 over the model's batch: an agent called three
+    times per episode then weighs as much per group as one called once (the reference
+    code's balance_loss_by_agent_freq; it normalises over the whole team's batch, drmas
+    over each model's). Entropy and KL terms are not weighted."""
 
 
 @dataclass

@@ -113,7 +113,10 @@ def collate(
         behaviour[row, p - 1 : p - 1 + t] = torch.from_numpy(
             unpack_logprobs(sample.logprobs).copy()
         )
-    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    # a sample's loss weight scales its advantage: the clipped PPO surrogate (dual clip
+    # and importance weight included) is positively homogeneous in it, so this is the
+    # weighted policy-gradient loss, and entropy and KL stay unweighted
+    advantages = torch.tensor([s.advantage * s.loss_weight for s in samples], dtype=torch.float32)
     return MicroBatch(
         agent, input_ids, attention, input_ids[:, 1:].clone(), mask, behaviour, advantages
     )

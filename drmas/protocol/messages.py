@@ -44,7 +44,7 @@ from drmas.protocol.wire_limits import (
     Versions,
 )
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6  # 6: Sample.loss_weight
 
 Role = Literal["actor", "learner", "client"]
 
@@ -327,6 +327,10 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True):
     logprobs: bytes  # [T] float32 LE behaviour log-probs
     advantage: float  # broadcast to every response token
     version: int  # behaviour weight version
+    # multiplies this sample's policy-gradient loss (the learner scales the advantage: the
+    # clipped PPO loss is positively homogeneous in it); 1.0 unless
+    # algorithm.advantage.balance_calls (drmas/broker/buffers.py call_weights)
+    loss_weight: float = 1.0
 
 
 # broker -> learner rank: its shard. Every rank of a step gets the same number of samples

@@ -483,3 +483,29 @@ def test_one_actor_holds_at_most_its_lease_cap_validation_included():
     wide = make_state("actor.max_groups=3", "broker.max_leases_per_actor=5")
     wide.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
     assert len(wide.lease("a", 1000, {}, 0.0).leases) == 4  # (η + 1) · B binds first
+
+
+def test_balance_calls_weights_each_sample_by_its_agents_calls_in_its_group():
+    """algorithm.advantage.balance_calls: the solver answers 3 times in group A's two
+    episodes and twice in group B's: its samples weigh 1/3 and 1/2, divided by their
+    mean over the model's batch (0.4), so 5/6 and 5/4; advantages are not changed (the
+    learner scales them) and without the option every weight is 1."""
+    from drmas.broker.buffers import call_weights
+
+    assert call_weights([(0, "s"), (0, "s"), (0, "s"), (0, "v"), (1, "s"), (1, "v")]) == (
+        pytest.approx([0.5, 0.5, 0.5, 1.5, 1.5, 1.5])
+    )
+    for balance, expected in ((True, [5 / 6] * 3 + [5 / 4] * 2), (False, [1.0] * 5)):
+        st = make_state("batch_groups=2", f"algorithm.advantage.balance_calls={balance}")
+        st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+        shapes = [(["solver", "solver", "verifier"], ["solver", "verifier"]),
+                  (["solver", "verifier"], ["solver", "verifier"])]  # fmt: skip
+        for lease, episodes in zip(st.lease("a", 2, {}, 0.0).leases, shapes, strict=True):
+            eps = [Episode([step(agent) for agent in agents], r)
+                   for agents, r in zip(episodes, (1.0, 0.0))]  # fmt: skip
+            assert st.accept("a", pack_group("a", lease.lease_id, lease.group_id, eps), 0.0) == ""
+        batch = st.buffers["solver"].batch_for(0, 1)
+        assert batch is not None
+        weights = sorted(s.loss_weight for s in batch.samples)
+        assert weights == pytest.approx(sorted(expected))
+        assert sum(weights) == pytest.approx(len(weights))

@@ -444,3 +444,29 @@ def test_config_is_not_mutated() -> None:
     before = replace(cfg)
     _call([[0.0]], [1.0], cfg)
     assert cfg == before
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_a_loss_weight_folded_into_the_advantage_weights_each_samples_surrogate(agg: str) -> None:
+    """algorithm.advantage.balance_calls weights a sample's policy-gradient loss by scaling
+    its advantage: exact because the dual-clipped, importance-weighted surrogate is
+    positively homogeneous in the advantage. Checked per sample against its loss alone,
+    with ratios inside and outside the clip range, both signs, and the behaviour gap."""
+    cfg = LossConfig(agg=agg, max_response_len=3)
+    cur = [[LN(1.5), LN(0.7), -0.2], [LN(0.5), LN(1.1), -0.1], [LN(4.0), LN(0.9), 0.0]]
+    old = [[0.0, 0.0, -0.1], [0.0, 0.0, 0.0], [0.0, 0.0, 0.1]]
+    beh = [[-0.1, 0.0, -0.1], [0.2, 0.0, 0.0], [0.0, -0.3, 0.1]]
+    mask = [[1, 1, 1], [1, 1, 0], [1, 1, 1]]
+    adv, w = [0.8, -1.2, -0.6], [0.5, 1.5, 2.0]
+    totals = {"total_tokens": 8, "total_samples": 3}
+    weighted, _, grad = _call(cur, [a * x for a, x in zip(adv, w)], cfg, old=old, behaviour=beh,
+                              mask=mask, **totals)  # fmt: skip
+    parts = [
+        _call([cur[i]], [adv[i]], cfg, old=[old[i]], behaviour=[beh[i]], mask=[mask[i]], **totals)
+        for i in range(3)
+    ]
+    assert float(weighted) == pytest.approx(
+        sum(x * float(p[0]) for x, p in zip(w, parts)), rel=1e-6
+    )
+    for i, (x, p) in enumerate(zip(w, parts)):
+        assert torch.allclose(grad[i], x * p[2][0], rtol=1e-5, atol=1e-7)
