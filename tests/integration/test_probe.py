@@ -58,7 +58,7 @@ def test_synthetic_probe_shows_inflation_and_deflation(tmp_path: Path, model_cac
         assert credit[agent]["agent"]["own_r2"] == pytest.approx(1.0)
         assert credit[agent]["step_global"]["own_r2"] == pytest.approx(1.0)
         assert credit[agent]["global"]["own_r2"] < 0.9 and credit[agent]["agent"]["groups"] == 24
-    assert "credit: share of each agent's advantage" in out.stdout
+    assert "own r^2: are an agent's advantages one affine function of its own scores?" in out.stdout
     image = mpimg.imread(run / "probe.png")
     assert image.shape[0] > 100 and image.shape[1] > 300
     assert "step_global" in out.stdout  # the table is printed
