@@ -96,22 +96,3 @@ def test_an_unreadable_actor_secret_says_where_to_copy_it(tmp_path: Path) -> Non
         SecurityError, match="copy it to every node that runs the broker or an actor"
     ):
         load_actor_secret(SecurityConfig(actor_secret=str(tmp_path / "nowhere")))
-
-
-def test_drmas_prepare_writes_an_actor_secret_beside_the_learners(tmp_path: Path) -> None:
-    from drmas.config import load_config
-    from drmas.launch.train import prepare_run
-
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text('{"vocab_size": 64}')
-    cfg = load_config(
-        [f"models.solver.path={folder}", f"models.verifier.path={folder}",
-         f"run.dir={tmp_path / 'run'}"]
-    )  # fmt: skip
-    resolved, run_dir, _ = prepare_run(cfg)
-    assert resolved.security.actor_secret == str(run_dir / "actor.secret")
-    assert (
-        load_actor_secret(resolved.security)
-        != (run_dir / "learner.secret").read_text().strip().encode()
-    )

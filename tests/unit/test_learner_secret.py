@@ -97,3 +97,8 @@ def test_drmas_prepare_writes_the_secret_and_names_it_in_config_yaml(tmp_path: P
     assert load_secret(resolved.security) is not None
     again = load_config([], str(run_dir / "config.yaml"))
     assert again.security.learner_secret == str(run_dir / "learner.secret")
+    # the actors' secret beside it, a different one (an actor node never holds the learners')
+    from drmas.transports.learner_secret import load_actor_secret
+
+    assert again.security.actor_secret == str(run_dir / "actor.secret")
+    assert load_actor_secret(again.security) not in (None, load_secret(again.security))
