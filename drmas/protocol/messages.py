@@ -327,9 +327,7 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True):
     logprobs: bytes  # [T] float32 LE behaviour log-probs
     advantage: float  # broadcast to every response token
     version: int  # behaviour weight version
-    # multiplies this sample's policy-gradient loss (the learner scales the advantage: the
-    # clipped PPO loss is positively homogeneous in it); 1.0 unless
-    # algorithm.advantage.balance_calls (drmas/broker/buffers.py call_weights)
+    # scales this sample's advantage, so its loss (1.0 unless balance_calls: broker/buffers.py)
     loss_weight: float = 1.0
 
 
