@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("drmas.probe")
 
+PerMode = dict[str, dict[str, dict[str, float]]]
+"""agent -> advantage mode -> named numbers."""
+
 
 def run_probe(cfg: DrmasConfig) -> int:
     """The command: resolve the run (models built, config.yaml written), measure, then
@@ -72,11 +75,12 @@ def measure(cfg: DrmasConfig) -> dict[str, Any]:
     groups = asyncio.run(sample_groups(cfg, p.groups, size, p.seed))
     sampled_s = time.monotonic() - start
     log.info("sampled %d groups of %d episodes in %.1fs", len(groups), size, sampled_s)
-    rows, scores_by_agent, credit = measure_gradients(cfg, groups)
+    rows, scores_by_agent, credit, offsets = measure_gradients(cfg, groups)
     return {
         "mode": "synthetic" if p.rewards else "sampled",
         "agents": summarise(rows, p.baselines, p.bootstrap, p.seed),
         "credit": credit,
+        "offsets": offsets,
         "scores": {
             a: {"mean": float(np.mean(v)), "std": float(np.std(v)), "steps": len(v)}
             for a, v in scores_by_agent.items()
@@ -97,10 +101,11 @@ def measure(cfg: DrmasConfig) -> dict[str, Any]:
 
 def measure_gradients(
     cfg: DrmasConfig, groups: list[list[Episode]]
-) -> tuple[dict[str, AgentRows], dict[str, list[float]], dict[str, dict[str, dict[str, float]]]]:
+) -> tuple[dict[str, AgentRows], dict[str, list[float]], PerMode, PerMode]:
     """A world-1 learner (one Trainer per model) measures every agent's gradient moments in
     every group under each advantage mode. Returns the rows of the agents that acted, every
-    agent's step scores, and each agent's own r^2 under each mode (credit_shares)."""
+    agent's step scores, each agent's own r^2 under each mode (credit_shares) and its
+    advantages' mean and spread (advantage_offsets)."""
     import torch.distributed as dist
 
     from drmas.learners.main import learner_device
@@ -112,6 +117,7 @@ def measure_gradients(
     advantages = probe_advantages(cfg, groups, scores)
     step_agents = [[s.agent for ep in episodes for s in ep.steps] for episodes in groups]
     credit = credit_shares(step_agents, scores, advantages)
+    offsets = advantage_offsets(step_agents, advantages)
     device = learner_device(cfg.learner.device)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
@@ -127,12 +133,36 @@ def measure_gradients(
             _measure_group(cfg, trainers, episodes, group_scores, adv, rows, scores_by_agent)
     finally:
         dist.destroy_process_group()
-    return {a: r for a, r in rows.items() if r.steps}, scores_by_agent, credit
+    return {a: r for a, r in rows.items() if r.steps}, scores_by_agent, credit, offsets
+
+
+def advantage_offsets(
+    step_agents: list[list[str]], advantages: list[dict[str, np.ndarray]]
+) -> PerMode:
+    """agent -> mode -> the mean of its advantages over all its steps (`mean`: the offset a
+    shared baseline gives an agent whose scores sit above or below the team's, about
+    (mu_k - mu)/sigma; 0 under `agent` by construction), their standard deviation (`sd`: the
+    rescaling), their second moment `sq` = mean^2 + sd^2 (the predicted factor is a ratio of
+    these) and `offset_share` = mean^2 / sq, the part of the second moment that is offset.
+    Adam does not divide out an offset that is the same at every step as it does a scale."""
+    names = np.concatenate([np.asarray(a) for a in step_agents]) if step_agents else np.zeros(0)
+    out: PerMode = {}
+    for mode in advantages[0] if advantages else ():
+        flat = np.concatenate([by_mode[mode] for by_mode in advantages]).astype(np.float64)
+        for agent in dict.fromkeys(names.tolist()):
+            a = flat[names == agent]
+            mean, sd = float(a.mean()), float(a.std())
+            sq = mean * mean + sd * sd
+            out.setdefault(agent, {})[mode] = {
+                "mean": mean, "sd": sd, "sq": sq,
+                "offset_share": mean * mean / sq if sq > 0 else 0.0, "steps": int(a.size),
+            }  # fmt: skip
+    return out
 
 
 def credit_shares(
     step_agents: list[list[str]], scores: list[np.ndarray], advantages: list[dict[str, np.ndarray]]
-) -> dict[str, dict[str, dict[str, float]]]:
+) -> PerMode:
     """agent -> mode -> `own_r2`: the squared correlation, within a group, between the
     agent's advantages and its own scores, averaged over the groups where it has at least
     2 steps whose scores vary (`groups` counts them). 1: in every group its advantages are
@@ -313,6 +343,20 @@ def format_table(result: dict[str, Any]) -> str:
         for agent, by_mode in credit.items():
             cells = "".join(f"{by_mode[m]['own_r2']:>13.3f}" for m in modes if m in by_mode)
             lines.append(f"{agent:<12}{cells}   {next(iter(by_mode.values()))['groups']}")
+    offsets = result.get("offsets", {})
+    if offsets:
+        modes = list(next(iter(offsets.values())))
+        lines += [
+            "advantage mean (sd) over an agent's steps: a shared baseline's offset and scale",
+            f"{'agent':<12}" + "".join(f"{m:>16}" for m in modes),
+        ]
+        for agent, by_mode in offsets.items():
+            cells = "".join(
+                f"{by_mode[m]['mean']:>+8.3f} ({by_mode[m]['sd']:.2f})"
+                for m in modes
+                if m in by_mode
+            )
+            lines.append(f"{agent:<12}{cells}")
     return "\n".join(lines)
 
 

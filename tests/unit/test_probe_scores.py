@@ -139,3 +139,38 @@ def test_agent_turn_is_a_mode_the_probe_compares() -> None:
     )
     # agent: one pool of 1, 10, 3, 20 (μ 8.5): the turn-1 calls get the larger advantages
     assert abs(out["agent"][3]) > abs(out["agent"][2])
+
+
+def test_advantage_offsets_split_a_shared_baselines_offset_from_its_scale() -> None:
+    """Solver scores (1, 0, 1, 0), Verifier paid a tenth (0.1, 0, 0.1, 0), one group. Under
+    `agent` each agent's advantages are ±√3/2: mean 0, no offset. Under step_global one
+    baseline μ = 0.275 and σ (unbiased, all 8 steps) serve both: the Solver sits at
+    (0.5 − 0.275)/σ with sd 0.5/σ, the Verifier at (0.05 − 0.275)/σ with sd 0.05/σ, so
+    nearly all of the Verifier's second moment is offset."""
+    from drmas.broker.advantages import compute_advantages
+    from drmas.launch.probe import advantage_offsets
+
+    agents = ["solver", "verifier"] * 4
+    scores = np.array([1.0, 0.1, 0.0, 0.0, 1.0, 0.1, 0.0, 0.0])
+    adv = {
+        m: compute_advantages(scores, [0] * 8, [0, 0, 1, 1, 2, 2, 3, 3], agents, mode=m)
+        for m in ("agent", "step_global")
+    }
+    out = advantage_offsets([agents], [adv])
+    for agent in ("solver", "verifier"):
+        assert out[agent]["agent"]["mean"] == pytest.approx(0.0, abs=1e-6)
+        assert out[agent]["agent"]["sd"] == pytest.approx(3**0.5 / 2, rel=1e-4)
+        assert out[agent]["agent"]["offset_share"] == pytest.approx(0.0, abs=1e-6)
+    sigma = float(np.std(scores, ddof=1))
+    for agent, own_mean, own_sd in (("solver", 0.5, 0.5), ("verifier", 0.05, 0.05)):
+        r = out[agent]["step_global"]
+        assert r["mean"] == pytest.approx((own_mean - 0.275) / sigma, rel=1e-4)
+        assert r["sd"] == pytest.approx(own_sd / sigma, rel=1e-4)
+        assert r["sq"] == pytest.approx(r["mean"] ** 2 + r["sd"] ** 2)
+        assert r["steps"] == 4
+    assert out["verifier"]["step_global"]["offset_share"] == pytest.approx(
+        0.225**2 / (0.225**2 + 0.05**2), rel=1e-4
+    )
+    assert out["solver"]["step_global"]["offset_share"] == pytest.approx(
+        0.225**2 / (0.225**2 + 0.5**2), rel=1e-4
+    )
