@@ -14,8 +14,8 @@ listen on every interface); anyone who reaches it can read and write its keys, s
 weights.host should be an address only the actors reach. Reaching it is not enough to get
 weights or a rank: with a token, every rendezvous entry is signed (`SignedStore`), and
 `Group.authenticate` has every rank prove the group's token, through the store, before
-rank 0 sends; rank 0 never receives over gloo (gloo aborts a process that receives more
-than it posted).
+rank 0 sends; rank 0 never receives over gloo, and a member receives from rank 0 only
+(gloo aborts a process that receives more than it posted: see `Group`).
 """
 
 from __future__ import annotations
@@ -94,13 +94,24 @@ class Where:
 
 
 class Group:
-    """A process group built from a store for one publish; every wait is bounded."""
+    """A process group built from a store for one publish; every wait is bounded.
+
+    Over gloo, a "broadcast" is rank 0 sending to each member in turn and each member
+    receiving from rank 0 only, never gloo's own broadcast: that one forwards along a tree,
+    so a member receives from other members, and a member that forwards more bytes than the
+    receive it lands in was posted for makes gloo abort the receiving process (an
+    enforce in gloo's I/O thread, not an exception). A receive posted for rank 0 matches
+    nothing another member sends, so a bad member can fail a publish but never end a
+    process. NCCL (GPU) keeps its broadcast: it does not abort on a size it did not expect,
+    and what it delivers is checked against the digest as always."""
 
     def __init__(
         self, where: Where, store: dist.Store, backend: str, device: torch.device, token: str = ""
     ) -> None:
         self.where = where
         self.device = device
+        self.star = backend == "gloo"
+        self._tag = 0  # p2p tag of the next star "broadcast", the same count on every rank
         if token:  # every rendezvous entry signed: a store client cannot take a rank
             store = SignedStore(store, token, where.group, where.timeout)
         self.store = store  # the token proofs go through it (authenticate)
@@ -113,6 +124,13 @@ class Group:
         """Queue a broadcast from rank 0 (gloo runs it on its own threads); `finish` waits."""
         assert self.pg is not None
         with self.where.phase(what):
+            if self.star:
+                tag, self._tag = self._tag, self._tag + 1
+                if self.where.rank != 0:
+                    return self.pg.recv([tensor], 0, tag)
+                return _AllSent(
+                    [self.pg.send([tensor], r, tag) for r in range(1, self.where.world_size)]
+                )
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             opts.timeout = self.where.timeout
@@ -190,6 +208,20 @@ class Group:
                 pg.abort()
         except RuntimeError as exc:  # already broken: nothing left to release
             log.debug("closing weight group %s: %s", self.where.group, exc)
+
+
+class _AllSent:
+    """Rank 0's sends of one star broadcast, waited for as one: within one timeout in all."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        deadline = time.monotonic() + timeout.total_seconds()
+        for work in self.works:
+            left = max(0.001, deadline - time.monotonic())  # 0 would mean the group's default
+            work.wait(datetime.timedelta(seconds=left))
+        return True
 
 
 class Retired:
