@@ -45,6 +45,13 @@ CASES: dict[str, tuple[str, ...]] = {
     # no penalty, the Verifier's rewards scaled by 0.1 (and the unscaled control)
     "tiny_math_shared_role_scaled": (*LEMMA, "workflow.reward_scale.verifier=0.1"),
     "tiny_math_shared_role": LEMMA,
+    # the dose-response (benchmarks/studies/study_dose.py): the Verifier paid c times its
+    # reward, each baseline it compares, probed before any of its runs
+    **{
+        f"dose_c{c}": (*LEMMA[:3], "probe.baselines=[global,step_global,agent_mean,agent_std]",
+                       f"workflow.reward_scale.verifier={c}")
+        for c in ("1", "0.3", "0.1", "0.03")
+    },
 }  # fmt: skip
 """Case -> the overrides of its `drmas probe` (64 groups, seed 0 unless they say)."""
 

@@ -1,0 +1,256 @@
+"""Dose-response of Dr. MAS against shared baselines over the Verifier's reward scale, and
+the two ablations that split the shared baseline's mean offset from its rescaling.
+
+    python benchmarks/studies/probe_teams.py --only dose_c1 dose_c0.3 dose_c0.1 dose_c0.03 \\
+        --out benchmarks/results/study/dose/probe          the predictions, before any run
+    python benchmarks/studies/study_dose.py --dry-run                  the runs left, in order
+    python benchmarks/studies/study_dose.py [--seeds 0 1 ...] [--only dose_c0.3 ...]
+    python benchmarks/studies/study_dose.py --summarize                the tables from the runs
+
+The design of the lemma study (study_lemma.py): experiment=tiny_math_shared (Solver and
+Verifier on one model, one optimiser), role rewards, no invalid-action penalty, 20
+synchronous steps, held-out avg@8 on 256 tasks; the Verifier's rewards multiplied by
+c in {1, 0.3, 0.1, 0.03} (workflow.reward_scale.verifier). Arms at every c: `agent`,
+`step_global` (one mean and std over all steps of the group), `global`. At c = 0.1 and
+0.03 also the ablations, which make a 2 x 2 design with `agent` and `step_global`:
+
+                     pooled std      per-agent std
+    pooled mean      step_global     agent_std
+    per-agent mean   agent_mean      agent
+
+so the gap agent - step_global splits exactly into an offset effect (per-agent mean
+against pooled, averaged over the two std levels) and a scale effect (per-agent std
+against pooled, averaged over the two mean levels); their interaction is reported too.
+
+None of the lemma study's runs are reused: at seed 0 its step-0 held-out score was 0.555
+and the same command at this study's first commit gives 0.466 (the seed's warm start is
+built differently since), so every cell is run again here, at one commit.
+
+A seed changes the warm start, the task order and the sampling, and is paired across
+every arm and scale (one warm start per seed, cached). Runs go seed by seed, so a study
+stopped early has complete pairs; each run is recorded by run_one (its commit, clean
+tree, final held-out validation) into <out>/<name>.json and skipped when that file
+exists: commit the files as they finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # benchmarks.* when run as a script
+
+from benchmarks.studies.study_advantage_modes import Group, git_state, run_one  # noqa: E402
+from benchmarks.studies.study_lemma import SHARED, finals, paired, runs_left  # noqa: E402
+from benchmarks.studies.study_stats import mean_ci, significant  # noqa: E402
+
+OUT = REPO / "benchmarks" / "results" / "study" / "dose"
+SCALES = ("1", "0.3", "0.1", "0.03")
+ABLATED = ("0.1", "0.03")
+SEEDS = tuple(range(8))
+ARMS = ("agent", "step_global", "global")
+ABLATIONS = ("agent_mean", "agent_std")
+
+
+def group_name(c: str) -> str:
+    return f"dose_c{c}"
+
+
+PLAN = tuple(
+    Group(
+        group_name(c),
+        (*SHARED, f"workflow.reward_scale.verifier={c}"),
+        ("policy",),
+        (*ARMS, *(ABLATIONS if c in ABLATED else ())),
+        SEEDS,
+        3.5,
+        0.4,
+        half="lemma",
+    )
+    for c in SCALES
+)
+
+
+def factorial(values: dict[str, dict[int, float]]) -> dict[str, Any]:
+    """The 2 x 2 split of agent - step_global (see the module's doc), per seed then over
+    seeds: offset and scale main effects (they add up to the gap), their interaction, and
+    each main effect's share of the gap (a ratio of means: percentile bootstrap over
+    seeds, pairs kept)."""
+    arms = ("agent", "step_global", "agent_mean", "agent_std")
+    seeds = sorted(set.intersection(*(set(values.get(a, {})) for a in arms)))
+    if len(seeds) < 2:
+        return {"seeds": seeds}
+    a, sg, am, ast = (np.array([values[arm][s] for s in seeds]) for arm in arms)
+    parts = {
+        "gap": a - sg,
+        "offset": ((am - sg) + (a - ast)) / 2,
+        "scale": ((ast - sg) + (a - am)) / 2,
+        "interaction": a - am - ast + sg,
+    }
+    out: dict[str, Any] = {k: significant(mean_ci(list(map(float, v)))) for k, v in parts.items()}
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, len(seeds), size=(10_000, len(seeds)))
+    gap = parts["gap"][picks].mean(1)
+    for k in ("offset", "scale"):
+        point = float(parts[k].mean() / parts["gap"].mean()) if parts["gap"].mean() else None
+        with np.errstate(divide="ignore", invalid="ignore"):
+            boot = parts[k][picks].mean(1) / gap
+        boot = boot[np.isfinite(boot)]
+        lo, hi = (float(x) for x in np.percentile(boot, [2.5, 97.5])) if boot.size else (None, None)
+        out[f"{k}_share"] = {"mean": point, "lo": lo, "hi": hi}
+    out["seeds"] = seeds
+    return out
+
+
+def trend(by_scale: dict[str, dict[str, dict[int, float]]], arm: str) -> dict[str, Any]:
+    """Per seed, the least-squares slope of (agent - arm) against log10(1/c) over the
+    scales that seed has, then its mean and t interval over seeds: does the gap grow as
+    the Verifier's scale shrinks?"""
+    x = {c: float(np.log10(1 / float(c))) for c in SCALES}
+    slopes = []
+    for seed in SEEDS:
+        pts = [
+            (x[c], v["agent"][seed] - v[arm][seed])
+            for c, v in by_scale.items()
+            if seed in v.get("agent", {}) and seed in v.get(arm, {})
+        ]
+        if len(pts) >= 3:
+            xs, ys = np.array(pts).T
+            slopes.append(float(np.polyfit(xs, ys, 1)[0]))
+    return {**significant(mean_ci(slopes)), "per": "decade of 1/c"}
+
+
+def predictions(probe_dir: Path) -> dict[str, Any]:
+    """Per scale, from the probe run before the study: each agent's predicted factor F_k
+    under each baseline and its advantage offset (mean) and spread (sd)."""
+    found: dict[str, Any] = {}
+    for c in SCALES:
+        path = probe_dir / f"dose_c{c}.json"
+        if not path.is_file():
+            continue
+        probe = json.loads(path.read_text())
+        found[c] = {
+            agent: {
+                b: {
+                    "F": r["predicted_factor"],
+                    "offset": probe["offsets"][agent][b]["mean"],
+                    "sd": probe["offsets"][agent][b]["sd"],
+                    "offset_share": probe["offsets"][agent][b]["offset_share"],
+                }
+                for b, r in rows.items()
+            }
+            for agent, rows in probe["agents"].items()
+        }
+        found[c]["commit"] = probe.get("commit")
+    return found
+
+
+def summarize(out: Path, write: bool = True) -> dict[str, Any]:
+    by_scale = {c: finals(out, g) for c, g in zip(SCALES, PLAN)}
+    summary: dict[str, Any] = {"arms": {}, "contrasts": {}, "factorial": {}, "trend": {}}
+    for c, values in by_scale.items():
+        summary["arms"][c] = {
+            m: {**mean_ci(list(v.values())), "seeds": sorted(v)} for m, v in values.items()
+        }
+        for arm in ("step_global", "global", *ABLATIONS):
+            if "agent" in values and arm in values:
+                summary["contrasts"][f"c={c}: agent - {arm}"] = paired(values["agent"], values[arm])
+        if c in ABLATED:
+            summary["factorial"][c] = factorial(values)
+    for arm in ("step_global", "global"):
+        summary["trend"][f"agent - {arm}"] = trend(by_scale, arm)
+    summary["predictions"] = predictions(out / "probe")
+    summary["state"] = git_state(REPO)
+    if write:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        (out / "summary.md").write_text(markdown(summary))
+    return summary
+
+
+def _ci(c: dict[str, Any]) -> str:
+    if c.get("mean") is None:
+        return "no runs"
+    if c.get("lo") is None:
+        return f"{c['mean']:+.3f} (n = {c.get('n', 1)})"
+    sig = "" if "significant" not in c else ("; significant" if c["significant"] else "; n.s.")
+    n = f"n = {c['n']}" if "n" in c else "bootstrap"
+    return f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] ({n}{sig})"
+
+
+def markdown(s: dict[str, Any]) -> str:
+    lines = ["| c | arm | held-out avg@8 [95 % CI] | seeds |", "|---|---|---|---|"]
+    for c, arms in s["arms"].items():
+        for arm, v in arms.items():
+            lines.append(f"| {c} | {arm} | {_ci(v).replace('+', '')} | {len(v['seeds'])} |")
+    lines += ["", "| paired contrast | mean [95 % CI] |", "|---|---|"]
+    lines += [f"| {k} | {_ci(v)} |" for k, v in s["contrasts"].items()]
+    for c, f in s["factorial"].items():
+        if "gap" not in f:
+            continue
+        lines += ["", f"2 x 2 at c = {c} (seeds {f['seeds']}):", ""]
+        lines += [f"- {k}: {_ci(f[k])}" for k in ("gap", "offset", "scale", "interaction")]
+        lines += [f"- {k} share of the gap: {_ci(f[f'{k}_share'])}" for k in ("offset", "scale")]
+    lines += ["", "Trend of each gap per decade of 1/c (per-seed slope, t interval):", ""]
+    lines += [f"- {k}: {_ci(v)}" for k, v in s["trend"].items()]
+    for c, agents in s["predictions"].items():
+        lines += ["", f"Probe at c = {c} (before the runs; commit {agents.get('commit')}):", ""]
+        for agent, rows in agents.items():
+            if agent == "commit":
+                continue
+            cells = ", ".join(
+                f"{b} F {r['F']:.2f} offset {r['offset']:+.2f} sd {r['sd']:.2f}"
+                for b, r in rows.items()
+            )
+            lines.append(f"- {agent}: {cells}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="*", choices=[g.name for g in PLAN], help="scales to run")
+    p.add_argument("--seeds", nargs="*", type=int, help="seeds to run (default: all)")
+    p.add_argument("--modes", nargs="*", help="arms to run (default: all)")
+    p.add_argument("--dry-run", action="store_true", help="print the runs left, in order")
+    p.add_argument("--summarize", action="store_true", help="only rewrite the summary")
+    p.add_argument("--out", default=str(OUT), help="results folder")
+    args = p.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.summarize:
+        summarize(out)
+        print((out / "summary.md").read_text())
+        return 0
+    groups = [g for g in PLAN if not args.only or g.name in args.only]
+    try:
+        todo = runs_left(out, groups, args.seeds, args.modes)
+    except ValueError as e:
+        p.error(str(e))
+    if args.dry_run:
+        for name, *_ in todo:
+            print(name)
+        print(f"{len(todo)} runs, about {len(todo) * 3.5 / 60:.1f} h on 2 cores")
+        return 0
+    if not (out / "probe").is_dir():
+        p.error(f"no predictions in {out / 'probe'}: run probe_teams.py first (see --help)")
+    state = git_state(REPO)
+    if state["dirty"]:
+        print(f"{REPO} has changes ({', '.join(state['dirty_paths'][:5])}): run from a clean "
+              "worktree (git worktree add /tmp/dose-tree HEAD; python /tmp/dose-tree/benchmarks/"
+              "studies/study_dose.py --out <this repo>/benchmarks/results/study/dose)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    ok = True
+    for run in todo:
+        ok = run_one(out, *run) and ok
+        summarize(out)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
