@@ -48,7 +48,7 @@ CASES: dict[str, tuple[str, ...]] = {
     # the dose-response (benchmarks/studies/study_dose.py): the Verifier paid c times its
     # reward, each baseline it compares, probed before any of its runs
     **{
-        f"dose_c{c}": (*LEMMA[:3], "probe.baselines=[global,step_global,agent_mean,agent_std]",
+        f"dose_c{c}": (*LEMMA[:3], "probe.baselines=[global,step_global,agent_centred,agent_shifted]",
                        f"workflow.reward_scale.verifier={c}")
         for c in ("1", "0.3", "0.1", "0.03")
     },

@@ -172,7 +172,13 @@ _MODES: dict[AdvantageMode, Callable[[_Steps], tuple[Float, Float, Float]]] = {
     "agent_std": operator.attrgetter("s", "mu", "sigma_k"),  # (s − μ)/(σ_k + ε)
     "step_global": operator.attrgetter("s", "mu_all", "sigma_all"),  # (s − μ_all)/(σ_all + ε)
     "agent_turn": operator.attrgetter("s", "mu_kt", "sigma_kt"),  # (s − μ_kt)/(σ_kt + ε)
+    # step_global = (σ_k/σ_all)·agent + (μ_k − μ_all)/σ_all: a rescaling plus an offset.
+    # These two take one part away each (a 2 x 2 with agent and step_global):
+    "agent_centred": operator.attrgetter("s", "mu_k", "sigma_all"),  # (s − μ_k)/(σ_all + ε)
+    "agent_shifted": operator.attrgetter("s", "mu_k", "sigma_k"),  # agent + the offset below
 }
+_SHIFTED = operator.attrgetter("mu_k", "mu_all", "sigma_all")
+"""agent_shifted adds (μ_k − μ_all)/(σ_all + ε), step_global's offset, to agent's advantage."""
 
 
 def _dense(values: NDArray[np.generic]) -> Index:
@@ -279,6 +285,13 @@ def compute_advantages(
     if agent_std_pool == "batch":
         steps.pool_by = _dense(np.asarray(agent_ids).astype(str))
     value, centre, scale = _MODES[mode](steps)
+    if mode == "agent_shifted":  # the centre moves to μ_all, the scale stays σ_k
+        mu_k, mu_all, sigma_all = _SHIFTED(steps)
+        if not norm_by_std:
+            return value - mu_all
+        if std_floor > 0:
+            scale, sigma_all = np.maximum(scale, std_floor), np.maximum(sigma_all, std_floor)
+        return (value - mu_k) / (scale + eps) + (mu_k - mu_all) / (sigma_all + eps)
     if not norm_by_std:
         return value - centre
     if std_floor > 0:

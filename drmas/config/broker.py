@@ -22,7 +22,9 @@ class AdvantageConfig:
 
     mode: AdvantageMode = "agent"
     """agent = Dr. MAS (default); global = vanilla GRPO; step_global = one baseline over all
-    steps; agent_turn = per agent and turn; agent_mean/agent_std = ablations."""
+    steps; agent_turn = per agent and turn; agent_mean/agent_std = ablations against
+    global's statistics; agent_centred/agent_shifted = step_global without its offset /
+    without its rescaling (docs/algorithm.md)."""
     norm_by_std: bool = True
     """False: x - mean only (Dr. GRPO style)."""
     eps: NonNegativeFloat = 1e-6

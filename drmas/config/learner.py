@@ -111,6 +111,7 @@ class ProbeConfig:
         default_factory=lambda: ["global", "step_global"]
     )
     """Advantage modes to compare with agent-wise advantages: the shared baselines (global,
-    step_global), the ablations (agent_mean, agent_std) or agent-and-turn (agent_turn)."""
+    step_global), the ablations (agent_mean, agent_std, agent_centred, agent_shifted) or
+    agent-and-turn (agent_turn)."""
     bootstrap: Positive = 2000
     """Bootstrap resamples of the groups for the 95 % intervals."""

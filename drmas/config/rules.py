@@ -200,12 +200,13 @@ def _check_sigma_options(cfg: DrmasConfig) -> None:
             "too, or drop zero_variance_by"
         )
     if cfg.algorithm.zero_variance_by == "model" and (
-        adv.mode in ("global", "step_global", "agent_std") or adv.scope == "batch"
+        adv.mode in ("global", "step_global", "agent_std", "agent_shifted") or adv.scope == "batch"
     ):
         raise ConfigError(
             f"algorithm.zero_variance_by=model leaves out a model's slice when its own "
             "agents' scores tie in the group, which is safe only where such a slice's "
-            "advantages are all zero: modes agent, agent_turn and agent_mean, centred by "
+            "advantages are all zero: modes agent, agent_turn, agent_mean and agent_centred, "
+            "centred by "
             f"each agent's own group mean. Under mode={adv.mode} (scope={adv.scope}) the "
             "centre is pooled with other agents' scores or over the batch, so the slice "
             "carries a signal and would be dropped: use zero_variance_by=group, or one of "

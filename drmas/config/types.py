@@ -45,7 +45,10 @@ PauseMode = Literal["keep", "abort"]
 """What in-flight requests do around a weight update."""
 Precision = Literal["fp32", "bf16-mixed", "bf16-pure"]
 """How a learner holds and computes a model's weights."""
-AdvantageMode = Literal["global", "agent", "agent_mean", "agent_std", "step_global", "agent_turn"]
+AdvantageMode = Literal[
+    "global", "agent", "agent_mean", "agent_std", "step_global", "agent_turn",
+    "agent_centred", "agent_shifted",
+]  # fmt: skip
 """global = GRPO; agent = Dr. MAS; agent_turn = per agent and turn (AT-GRPO); the others
 are ablations (docs/algorithm.md)."""
 StdKind = Literal["unbiased", "population"]
@@ -64,7 +67,10 @@ ShareMode = Literal["auto", "exclusive", "shared"]
 """Whether actors may share the learners' GPUs."""
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
 """Where metrics lines go (the broker writes them)."""
-ProbeBaseline = Literal["global", "step_global", "agent_mean", "agent_std", "agent_turn"]
+ProbeBaseline = Literal[
+    "global", "step_global", "agent_mean", "agent_std", "agent_turn", "agent_centred",
+    "agent_shifted",
+]  # fmt: skip
 """Advantage modes `drmas probe` compares with agent-wise advantages (`agent`)."""
 OnInvalid = Literal["continue", "end"]
 RewardKind = Literal["team", "role"]

@@ -107,6 +107,30 @@ def test_step_global() -> None:
         )
 
 
+def test_agent_centred_and_agent_shifted_split_step_global_into_rescaling_and_offset() -> None:
+    # agent_centred: (s − μ_k)/(σ_all + ε): solver (0, 1, 2, 1) − 1 → −1, 0, 1, 0 and
+    # verifier (2, 6) − 4 → −2, 2, all over √(22/5).
+    d = math.sqrt(22 / 5) + EPS
+    ds = math.sqrt(2 / 3) + EPS
+    dv = 2 * math.sqrt(2) + EPS
+    centred = [-1 / d, -2 / d, 0.0, 1 / d, 2 / d, 0.0]
+    np.testing.assert_allclose(_run(mode="agent_centred"), centred, rtol=1e-12, atol=1e-15)
+    # agent_shifted: agent's (s − μ_k)/(σ_k + ε) plus step_global's offset (μ_k − 2)/σ_all:
+    # solver offset (1 − 2)/d, verifier (4 − 2)/d.
+    shifted = [-1 / ds - 1 / d, -2 / dv + 2 / d, -1 / d, 1 / ds - 1 / d, 2 / dv + 2 / d, -1 / d]
+    np.testing.assert_allclose(_run(mode="agent_shifted"), shifted, rtol=1e-12, atol=1e-15)
+    # the 2 x 2 adds up: step_global − agent_centred = agent_shifted − agent (the offset)
+    np.testing.assert_allclose(
+        _run(mode="step_global") - _run(mode="agent_centred"),
+        _run(mode="agent_shifted") - _run(mode="agent"),
+        rtol=1e-9, atol=1e-12,
+    )  # fmt: skip
+    # without std normalisation agent_shifted is step_global (s − μ_all)
+    np.testing.assert_allclose(
+        _run(mode="agent_shifted", norm_by_std=False), _run(mode="step_global", norm_by_std=False)
+    )
+
+
 def test_agent_turn() -> None:
     # Cells (agent, turn): (s, 0) = 0, 2: μ 1, unbiased σ √2; (v, 0) = 2, 6: μ 4, σ 2√2;
     # (s, 1) = 1, 1: μ 1, σ 0 (both Solver second calls scored alike: advantage 0).

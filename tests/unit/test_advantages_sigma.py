@@ -16,7 +16,15 @@ from drmas.protocol import pack_ids, pack_logprobs
 from drmas.protocol.messages import Episode, Step, Task, pack_group
 
 EPS = 1e-6
-MODES = ["global", "agent", "agent_mean", "agent_std", "step_global"]
+MODES = [
+    "global",
+    "agent",
+    "agent_mean",
+    "agent_std",
+    "step_global",
+    "agent_centred",
+    "agent_shifted",
+]
 
 
 def reference(
@@ -71,8 +79,13 @@ def reference(
         "agent_mean": (s, mu_k, sig),
         "agent_std": (s, mu, sig_k),
         "step_global": (s, mu_all, sig_all),
+        "agent_centred": (s, mu_k, sig_all),
+        "agent_shifted": (s, mu_k, sig_k),
     }[mode]
-    return (value - centre) / (np.maximum(scale, floor) + EPS)
+    out = (value - centre) / (np.maximum(scale, floor) + EPS)
+    if mode == "agent_shifted":  # plus step_global's offset
+        out += (mu_k - mu_all) / (np.maximum(sig_all, floor) + EPS)
+    return out
 
 
 def _random_batch(seed: int) -> tuple[list[float], list[int], list[int], list[str]]:

@@ -248,17 +248,18 @@ def test_provenance_counts_untracked_code_and_answers_outside_git(tmp_path: Path
 
 
 def test_the_dose_studys_two_by_two_splits_the_gap_into_offset_and_scale_by_hand() -> None:
-    """Three seeds: step_global 0.5; agent_mean (offset removed) +0.09 over it; agent_std
-    (scale removed) +0.01; agent +0.10, so no interaction. Offset effect per seed:
-    ((am - sg) + (a - as)) / 2 = (0.09 + 0.09) / 2 = 0.09, scale (0.01 + 0.01) / 2 = 0.01;
-    they add up to the gap 0.10, shares 0.9 and 0.1 in every resample."""
+    """Three seeds: step_global 0.5; agent_centred (offset removed) +0.09 over it;
+    agent_shifted (rescaling removed) +0.01; agent +0.10, so no interaction. Offset effect
+    per seed: ((a - shifted) + (centred - sg)) / 2 = (0.09 + 0.09) / 2 = 0.09, rescaling
+    ((a - centred) + (shifted - sg)) / 2 = 0.01; they add up to the gap 0.10, shares 0.9
+    and 0.1 in every resample."""
     from benchmarks.studies.study_dose import factorial, trend
 
     sg = {0: 0.50, 1: 0.40, 2: 0.60}
     values = {
         "step_global": sg,
-        "agent_mean": {s: v + 0.09 for s, v in sg.items()},
-        "agent_std": {s: v + 0.01 for s, v in sg.items()},
+        "agent_centred": {s: v + 0.09 for s, v in sg.items()},
+        "agent_shifted": {s: v + 0.01 for s, v in sg.items()},
         "agent": {s: v + 0.10 for s, v in sg.items()},
     }
     f = factorial(values)
@@ -272,7 +273,7 @@ def test_the_dose_studys_two_by_two_splits_the_gap_into_offset_and_scale_by_hand
     ] == pytest.approx(0.9)
     assert f["scale_share"]["mean"] == pytest.approx(0.1)
     # one arm short of a pair: no split
-    assert factorial({**values, "agent_std": {0: 0.5}}) == {"seeds": [0]}
+    assert factorial({**values, "agent_shifted": {0: 0.5}}) == {"seeds": [0]}
     # a gap that grows by 0.05 a decade of 1/c in every seed (c = 1, 0.1: two points are
     # not a slope; 0.3 adds the third)
     gaps = {"1": 0.0, "0.3": 0.05 * math.log10(1 / 0.3), "0.1": 0.05}
