@@ -175,10 +175,9 @@ _MODES: dict[AdvantageMode, Callable[[_Steps], tuple[Float, Float, Float]]] = {
     # step_global = (σ_k/σ_all)·agent + (μ_k − μ_all)/σ_all: a rescaling plus an offset.
     # These two take one part away each (a 2 x 2 with agent and step_global):
     "agent_centred": operator.attrgetter("s", "mu_k", "sigma_all"),  # (s − μ_k)/(σ_all + ε)
-    "agent_shifted": operator.attrgetter("s", "mu_k", "sigma_k"),  # agent + the offset below
+    # agent + (μ_k − μ_all)/(σ_all + ε), step_global's offset: `_shifted`
+    "agent_shifted": operator.attrgetter("s", "mu_k", "sigma_k"),
 }
-_SHIFTED = operator.attrgetter("mu_k", "mu_all", "sigma_all")
-"""agent_shifted adds (μ_k − μ_all)/(σ_all + ε), step_global's offset, to agent's advantage."""
 
 
 def _dense(values: NDArray[np.generic]) -> Index:
@@ -233,6 +232,17 @@ def _steps_of(
     return _Steps(score, group, episode, _dense(agents.astype(str)), ddof)
 
 
+def _shifted(steps: _Steps, norm_by_std: bool, eps: float, std_floor: float) -> Float:
+    """agent_shifted: agent's (s − μ_k)/(σ_k + ε) plus step_global's offset."""
+    value, mu_k, sigma_k = _MODES["agent"](steps)
+    mu_all, sigma_all = steps.mu_all, steps.sigma_all
+    if not norm_by_std:
+        return value - mu_all
+    if std_floor > 0:
+        sigma_k, sigma_all = np.maximum(sigma_k, std_floor), np.maximum(sigma_all, std_floor)
+    return (value - mu_k) / (sigma_k + eps) + (mu_k - mu_all) / (sigma_all + eps)
+
+
 def compute_advantages(
     scores: ArrayLike,
     group_ids: ArrayLike,
@@ -285,13 +295,8 @@ def compute_advantages(
     if agent_std_pool == "batch":
         steps.pool_by = _dense(np.asarray(agent_ids).astype(str))
     value, centre, scale = _MODES[mode](steps)
-    if mode == "agent_shifted":  # the centre moves to μ_all, the scale stays σ_k
-        mu_k, mu_all, sigma_all = _SHIFTED(steps)
-        if not norm_by_std:
-            return value - mu_all
-        if std_floor > 0:
-            scale, sigma_all = np.maximum(scale, std_floor), np.maximum(sigma_all, std_floor)
-        return (value - mu_k) / (scale + eps) + (mu_k - mu_all) / (sigma_all + eps)
+    if mode == "agent_shifted":
+        return _shifted(steps, norm_by_std, eps, std_floor)
     if not norm_by_std:
         return value - centre
     if std_floor > 0:
