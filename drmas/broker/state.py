@@ -42,6 +42,7 @@ from drmas.broker.evaluation import Validation
 from drmas.broker.leases import ActorRecord, LeaseRecord, LeaseTable
 from drmas.broker.metrics import NullSink, StepMetrics
 from drmas.broker.publishing import WeightPublishing
+from drmas.broker.sampling import lease_sampling
 from drmas.broker.seats import LearnerSeats
 from drmas.broker.variation import ZeroVarianceFilter
 from drmas.config import DrmasConfig
@@ -52,7 +53,6 @@ from drmas.protocol.messages import (
     Lease,
     Leases,
     NoBatch,
-    SamplingParams,
     Task,
 )
 from drmas.tasks.source import TaskSource
@@ -108,12 +108,8 @@ class BrokerState:
         self.weights = WeightPublishing(
             cfg, self.table.actors, self.versions, self.counters, self.metrics, history
         )
-        self.train_sampling = SamplingParams(
-            cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens
-        )
-        self.eval_sampling = SamplingParams(
-            cfg.val.temperature, cfg.val.top_p, cfg.sampling.max_new_tokens
-        )
+        self.train_sampling = lease_sampling(cfg, validation=False)
+        self.eval_sampling = lease_sampling(cfg, validation=True)
         if cfg.val.every:
             self._schedule_eval()  # step 0: the starting point every later round compares to
 

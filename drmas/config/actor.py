@@ -20,6 +20,7 @@ from drmas.config.types import (
     PositiveFloat,
     RewardKind,
     Seconds,
+    StopStrings,
 )
 
 
@@ -85,6 +86,29 @@ class SamplingConfig:
     """Nucleus sampling mass."""
     max_new_tokens: Positive = 256
     """Response length cap per agent call."""
+    stop: StopStrings = field(default_factory=list)
+    """Stop strings: a call ends once its decoded response contains one (kept in the
+    response, so the tokens trained are those sampled)."""
+
+
+@dataclass
+class AgentSamplingConfig:
+    """One agent's own training sampling (`agents.<name>.sampling`); a field left unset
+    takes `sampling`'s."""
+
+    temperature: NonNegativeFloat | None = None
+    top_p: OpenFraction | None = None
+    max_new_tokens: Positive | None = None
+    stop: StopStrings | None = None
+
+
+@dataclass
+class AgentValConfig:
+    """One agent's own validation sampling (`agents.<name>.val`); unset fields take `val`'s
+    (and max_new_tokens and stop its training ones, as for the run)."""
+
+    temperature: NonNegativeFloat | None = None
+    top_p: OpenFraction | None = None
 
 
 @dataclass

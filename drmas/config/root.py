@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from drmas.config.actor import ActorConfig, SamplingConfig, WorkflowConfig
+from drmas.config.actor import (
+    ActorConfig,
+    AgentSamplingConfig,
+    AgentValConfig,
+    SamplingConfig,
+    WorkflowConfig,
+)
 from drmas.config.broker import AdvantageConfig, BrokerConfig
 from drmas.config.checkpoint import CheckpointConfig
 from drmas.config.learner import LearnerConfig, LossConfig, ProbeConfig
@@ -44,6 +50,11 @@ class AgentConfig:
     adapter: str = ""
     """On a model with lora.rank > 0: the LoRA adapter this agent trains ("" = one named
     after the agent); agents naming the same adapter share it."""
+    sampling: AgentSamplingConfig = field(default_factory=AgentSamplingConfig)
+    """This agent's own training sampling (temperature, top_p, max_new_tokens, stop);
+    unset fields take `sampling`'s. The learner scores its samples at its temperature."""
+    val: AgentValConfig = field(default_factory=AgentValConfig)
+    """This agent's own validation sampling (temperature, top_p); unset fields take `val`'s."""
 
 
 @dataclass
@@ -157,6 +168,27 @@ class DrmasConfig:
 
     def model_of(self, agent: str) -> str:
         return self.agents[agent].model
+
+    def sampling_of(self, agent: str) -> SamplingConfig:
+        """`agent`'s training sampling: its own settings over the run's `sampling`."""
+        own, run = self.agents[agent].sampling, self.sampling
+        return SamplingConfig(
+            run.temperature if own.temperature is None else own.temperature,
+            run.top_p if own.top_p is None else own.top_p,
+            run.max_new_tokens if own.max_new_tokens is None else own.max_new_tokens,
+            list(run.stop if own.stop is None else own.stop),
+        )
+
+    def val_sampling_of(self, agent: str) -> SamplingConfig:
+        """`agent`'s validation sampling: its own `val` settings over the run's `val`; the
+        length cap and stop strings are its training ones."""
+        own, train = self.agents[agent].val, self.sampling_of(agent)
+        return SamplingConfig(
+            self.val.temperature if own.temperature is None else own.temperature,
+            self.val.top_p if own.top_p is None else own.top_p,
+            train.max_new_tokens,
+            train.stop,
+        )
 
     def agents_of(self, model: str) -> list[str]:
         return [name for name, a in self.agents.items() if a.model == model]

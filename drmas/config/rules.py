@@ -150,16 +150,32 @@ def _check_probe(cfg: DrmasConfig) -> None:
 
 def _check_one_distribution(cfg: DrmasConfig) -> None:
     """Training samples must come from the distribution the learner scores them under."""
-    top_p = cfg.sampling.top_p
-    if top_p < 1:
+    narrow = [("sampling", cfg.sampling.top_p)] + [
+        (f"agents.{a}.sampling", cfg.sampling_of(a).top_p)
+        for a, agent in cfg.agents.items()
+        if agent.sampling.top_p is not None
+    ]
+    for a in cfg.agents:
+        if cfg.sampling_of(a).temperature <= 0:
+            key = (
+                "sampling" if cfg.agents[a].sampling.temperature is None else f"agents.{a}.sampling"
+            )
+            raise ConfigError(
+                f"{key}.temperature=0 (greedy) is refused for training: agent {a!r}'s samples "
+                "would have no distribution for the learner to score them under (it divides "
+                "the logits by the temperature). Set it above 0; validation keeps val.temperature"
+            )
+    for key, top_p in narrow:
+        if top_p >= 1:
+            continue
         raise ConfigError(
-            f"sampling.top_p={top_p} < 1 is refused for training: the learner scores every "
+            f"{key}.top_p={top_p} < 1 is refused for training: the learner scores every "
             "token under the full tempered distribution softmax(logits / T), while a nucleus "
             "changes what the actors sample from and the engines disagree on the log-prob "
             "they report (vLLM renormalises over the nucleus, hf and SGLang give the one "
             "before the cut), so the behaviour log-probs, the importance weights and the "
-            "policy gradient would not match the policy sampled. Set sampling.top_p=1 "
-            "(lower sampling.temperature to sample more narrowly); validation keeps its own "
+            f"policy gradient would not match the policy sampled. Set {key}.top_p=1 "
+            f"(lower {key}.temperature to sample more narrowly); validation keeps its own "
             "val.top_p"
         )
 

@@ -35,6 +35,11 @@ Fraction = Annotated[float, Meta(ge=0, le=1)]
 OpenFraction = Annotated[float, Meta(gt=0, le=1)]
 """A share in (0, 1]: nucleus mass, memory fraction."""
 
+StopStrings = Annotated[
+    list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)
+]
+"""Stop strings of a call: at most 16, each 1 to 256 characters."""
+
 Device = Literal["auto", "cpu", "cuda"]
 """auto: CUDA when available, else CPU."""
 Dtype = Literal["float32", "bfloat16", "float16"]

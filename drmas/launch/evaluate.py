@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from drmas.broker.evaluation import EvalRound
+from drmas.broker.sampling import lease_sampling
 from drmas.config import DrmasConfig
 from drmas.launch.eval_rewards import (
     TEAM_KEY,
@@ -50,7 +51,7 @@ from drmas.launch.eval_rewards import (
     format_rewards,
     reward_columns,
 )
-from drmas.protocol.messages import SamplingParams, Task
+from drmas.protocol.messages import Task
 
 log = logging.getLogger("drmas.eval")
 
@@ -372,7 +373,8 @@ async def sample(
             dict(engines),
             {m: e.tokenizer for m, e in engines.items()},
         )
-        sampling = SamplingParams(s.temperature, s.top_p, cfg.sampling.max_new_tokens)
+        # --temperature/--top-p for every agent; each agent's length cap and stop strings
+        sampling = lease_sampling(cfg, validation=True, temperature=s.temperature, top_p=s.top_p)
         limit = asyncio.Semaphore(max(1, cfg.actor.max_groups))
         done = 0
         start = time.monotonic()

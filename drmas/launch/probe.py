@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from drmas.broker.advantages import compute_advantages
+from drmas.broker.sampling import lease_sampling
 from drmas.broker.scores import step_scores as broker_step_scores
 from drmas.config import DrmasConfig
 from drmas.launch.train import prepare_run
-from drmas.protocol.messages import Episode, Sample, SamplingParams, Step, Task
+from drmas.protocol.messages import Episode, Sample, Step, Task
 from drmas.threads import env_threads
 from drmas.transports.ports import free_port
 
@@ -275,8 +276,7 @@ async def sample_groups(cfg: DrmasConfig, count: int, size: int, seed: int) -> l
     source = TaskSource(cfg.task)
     pick = random.Random(f"drmas.probe:{seed}")
     tasks: list[Task] = [pick.choice(source.train) for _ in range(count)]
-    s = cfg.sampling
-    sampling = SamplingParams(s.temperature, s.top_p, s.max_new_tokens)
+    sampling = lease_sampling(cfg, validation=False)
     limit = asyncio.Semaphore(max(1, cfg.actor.max_groups))
 
     async def one(task: Task) -> list[Episode]:

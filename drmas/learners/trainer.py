@@ -309,12 +309,12 @@ class Trainer:
     def token_stats(
         self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log-probs of mb.targets (and entropy) at the sampling temperature, in
-        the padded [B, L-1] frame (drmas/learners/scoring.py: only the positions that
-        predict response tokens go through the LM head when the model allows it)."""
-        return scoring.token_stats(
-            model, mb, self.cfg.sampling.temperature, with_entropy, self.keeps_logits
-        )
+        """Per-token log-probs of mb.targets (and entropy) at the temperature its agent
+        sampled with (agents.<name>.sampling over `sampling`: a micro-batch holds one
+        agent), in the padded [B, L-1] frame (drmas/learners/scoring.py: only the positions
+        that predict response tokens go through the LM head when the model allows it)."""
+        temperature = self.cfg.sampling_of(mb.agent).temperature
+        return scoring.token_stats(model, mb, temperature, with_entropy, self.keeps_logits)
 
     def use_agent(self, agent: str) -> None:
         """On a LoRA base, forward passes from now on use `agent`'s adapter (local)."""

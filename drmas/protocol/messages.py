@@ -14,8 +14,8 @@ Weights themselves never travel here: they go learner rank 0 -> actors over a
 torch.distributed group (see drmas/transports/weights/); these messages only
 announce and coordinate it.
 
-Token ids and log-probs are raw little-endian bytes (see arrays.py). This module
-imports nothing of the project.
+Token ids and log-probs are raw little-endian bytes (see arrays.py); how actors sample is
+in sampling.py. This module imports nothing of the project but those.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from drmas.protocol.sampling import SamplingParams
 from drmas.protocol.wire_limits import (
     MAX_ADAPTERS,
     MAX_EPISODE_STEPS,
@@ -44,7 +45,7 @@ from drmas.protocol.wire_limits import (
     Versions,
 )
 
-PROTOCOL_VERSION = 6  # 6: Sample.loss_weight
+PROTOCOL_VERSION = 7  # 7: SamplingParams.stop and .agents (per-agent sampling)
 
 Role = Literal["actor", "learner", "client"]
 
@@ -125,12 +126,6 @@ class Task(msgspec.Struct, forbid_unknown_fields=True):
     source: Id = ""
     # every accepted answer when there are several (QA); [] = [answer]
     answers: Annotated[list[LongText], msgspec.Meta(max_length=MAX_LEASE_IDS)] = []
-
-
-class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
-    temperature: float
-    top_p: float
-    max_new_tokens: int
 
 
 # actor -> broker: ask for up to max_groups leases.

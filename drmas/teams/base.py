@@ -244,12 +244,14 @@ class Team:
         model = self.agent_models[agent]
         tokenizer = self.tokenizers[model]
         prompt_ids = self.prompt_ids(agent, task, turns, tokenizer)
+        own = sampling.for_agent(agent)  # agents.<name>.sampling over the run's
         result = await self.engines[model].generate(
             GenerateRequest(
                 prompt_ids=prompt_ids,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                max_new_tokens=sampling.max_new_tokens,
+                temperature=own.temperature,
+                top_p=own.top_p,
+                max_new_tokens=own.max_new_tokens,
+                stop=tuple(own.stop),
                 adapter=self.agent_adapters[agent],
             )
         )

@@ -51,8 +51,15 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return resolve_model_path("builtin:tiny-qwen2", str(cache), WarmStartConfig(steps=0))
 
 
-def sample_with_the_actor_engine(model_path: Path) -> list[Sample]:
-    """Every prompt generated concurrently (one continuous batch), as an actor does."""
+AGENTS = ("solver", "verifier")
+
+
+def sample_with_the_actor_engine(
+    model_path: Path, temperatures: dict[str, float] | None = None
+) -> list[Sample]:
+    """Every prompt generated concurrently (one continuous batch), as an actor does; prompt
+    i by agent AGENTS[i % 2], at its temperature in `temperatures` (default TEMPERATURE)."""
+    temps = temperatures or dict.fromkeys(AGENTS, TEMPERATURE)
 
     async def main() -> tuple[list[list[int]], list[GenerateResult]]:
         engine = HFEngine("policy", model_path, EngineConfig(device="cpu", dtype="float32"))
@@ -61,7 +68,10 @@ def sample_with_the_actor_engine(model_path: Path) -> list[Sample]:
             prompts = [
                 list(engine.tokenizer(p, add_special_tokens=False).input_ids) for p in PROMPTS
             ]
-            requests = [GenerateRequest(p, TEMPERATURE, TOP_P, max_new_tokens=12) for p in prompts]
+            requests = [
+                GenerateRequest(p, temps[AGENTS[i % 2]], TOP_P, max_new_tokens=12)
+                for i, p in enumerate(prompts)
+            ]
             return prompts, list(await asyncio.gather(*(engine.generate(r) for r in requests)))
         finally:
             await engine.close()
@@ -69,7 +79,7 @@ def sample_with_the_actor_engine(model_path: Path) -> list[Sample]:
     prompts, results = asyncio.run(main())
     return [
         Sample(
-            agent=("solver", "verifier")[i % 2],
+            agent=AGENTS[i % 2],
             prompt_ids=pack_ids(torch.tensor(prompt)),
             response_ids=pack_ids(torch.tensor(result.token_ids)),
             logprobs=pack_logprobs(torch.tensor(result.logprobs)),
@@ -80,14 +90,25 @@ def sample_with_the_actor_engine(model_path: Path) -> list[Sample]:
     ]
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_learner_pi_old_equals_the_actors_behaviour_logprobs(model_path: Path, pack: bool) -> None:
+@pytest.mark.parametrize(
+    ("pack", "verifier_temperature"), [(False, None), (True, None), (False, 1.3)]
+)
+def test_learner_pi_old_equals_the_actors_behaviour_logprobs(
+    model_path: Path, pack: bool, verifier_temperature: float | None
+) -> None:
+    """With agents.verifier.sampling.temperature set, the Verifier samples at its own
+    temperature and the learner must score its samples at that one, the Solver's at the
+    run's (one shared model, so both in one step)."""
     import torch.distributed as dist
 
     from drmas.learners.trainer import Trainer
 
     torch.set_num_threads(1)
-    samples = sample_with_the_actor_engine(model_path)
+    own = [] if verifier_temperature is None else [
+        f"agents.verifier.sampling.temperature={verifier_temperature}"
+    ]  # fmt: skip
+    temperatures = {"solver": TEMPERATURE, "verifier": verifier_temperature or TEMPERATURE}
+    samples = sample_with_the_actor_engine(model_path, temperatures)
     assert {s.version for s in samples} == {0}
     cfg = load_config(
         [
@@ -97,6 +118,7 @@ def test_learner_pi_old_equals_the_actors_behaviour_logprobs(model_path: Path, p
             "algorithm.max_staleness=0",
             f"sampling.temperature={TEMPERATURE}",
             f"learner.pack={str(pack).lower()}",
+            *own,
         ]
     )
     tokens = sum(len(s.response_ids) // 4 for s in samples)
