@@ -19,6 +19,7 @@ actor asks for leases more slowly (`backoff_s`), so it does not spin the broker.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -28,6 +29,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from drmas.protocol.messages import Episode
 
 log = logging.getLogger("drmas.actor")
 
@@ -199,3 +202,13 @@ def read_report(path: Path) -> Failure | None:
         return Failure(**data)
     except (OSError, ValueError, TypeError):
         return None
+
+
+def group_failure(task: asyncio.Task[list[Episode]]) -> BaseException | None:
+    """What ended a finished episode task, None if it returned. A task cancelled from
+    inside (the team's code cancelled itself or awaited something cancelled) is a failed
+    group too: its lease goes back, counted like an exception (asking a cancelled task
+    for its exception would raise instead)."""
+    if task.cancelled():
+        return asyncio.CancelledError("the group's task was cancelled before it returned")
+    return task.exception()

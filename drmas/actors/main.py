@@ -33,7 +33,13 @@ from drmas import cpu_share
 from drmas.actors.engines import ReceivesWeights, RollsBack, make_engine
 from drmas.actors.engines.base import Engine
 from drmas.actors.engines.expected import expected_for
-from drmas.actors.failures import STOP_EXIT_CODE, Failure, FailureWatch, report_path
+from drmas.actors.failures import (
+    STOP_EXIT_CODE,
+    Failure,
+    FailureWatch,
+    group_failure,
+    report_path,
+)
 from drmas.actors.timebook import TimeBook
 from drmas.config import DrmasConfig
 from drmas.config.model import weights_dtype
@@ -288,7 +294,7 @@ class Actor:
             task = self.running.pop(lease_id)
             lease = self.leases.pop(lease_id)
             seconds = time.monotonic() - self.started_at.pop(lease_id)
-            exc = _failure(task)
+            exc = group_failure(task)
             if exc is not None:  # the team's code raised: the group is tried again elsewhere
                 self.client.send(LeaseReturn(self.id, [lease_id], repr(exc)[:REASON_CHARS]))
                 if self.failures.failed(exc, lease.group_id):
@@ -322,8 +328,10 @@ class Actor:
 
         The receive runs in a worker thread, so the heartbeat task keeps this actor alive
         at the broker while it waits in a rendezvous. A join superseded by a newer one for
-        the same model, or older than its timeout (its learner has given up), is skipped."""
+        the same model (read from the inbox before each), or older than its timeout (its
+        learner has given up), is skipped."""
         while self.joins:
+            self.drain_inbox()
             join, received = self.joins.pop(0)
             newer = any(j.model == join.model for j, _ in self.joins)
             if newer or time.monotonic() - received > join.timeout_s:
@@ -488,13 +496,3 @@ def run_actor(cfg: DrmasConfig, actor_id: str = "") -> int:
         print(f"drmas actor: {actor.gave_up.stop_message()}", file=sys.stderr, flush=True)
         return STOP_EXIT_CODE
     return 0
-
-
-def _failure(task: asyncio.Task[list[Episode]]) -> BaseException | None:
-    """What ended a finished episode task, None if it returned. A task cancelled from
-    inside (the team's code cancelled itself or awaited something cancelled) is a failed
-    group too: its lease goes back, counted like an exception (asking a cancelled task
-    for its exception would raise instead)."""
-    if task.cancelled():
-        return asyncio.CancelledError("the group's task was cancelled before it returned")
-    return task.exception()

@@ -8,6 +8,7 @@ plan only; nothing here ever puts the token in the store.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -130,7 +131,8 @@ def call_roll(
 ) -> Roll:
     """Rank 0's roll call over ranks 1..members (see above); writes the signed roster."""
     nonce = secrets.token_hex(16)
-    store.set(roll_key(version, "nonce"), nonce)
+    store.set(LATEST, str(version))  # before the nonce: a late member for an older version
+    store.set(roll_key(version, "nonce"), nonce)  # sees it instead of waiting
     deadline = time.monotonic() + join_timeout_s
     waiting = set(range(1, members + 1))
     answers: dict[int, bytes] = {}
@@ -157,13 +159,44 @@ def call_roll(
     return Roll(present, sorted(waiting), refused)
 
 
+LATEST = "roll/latest"
+"""The version of rank 0's newest roll call in a group's store."""
+
+
+def _wait_for_nonce(store: dist.Store, group: str, version: int, timeout_s: float) -> str:
+    """The nonce of `version`'s roll call, once rank 0 has written it (within the store's
+    timeout). Rank 0 deletes a roll call's keys at its next one, so a member that comes
+    after rank 0 moved on to a newer version would otherwise wait the whole timeout for
+    a nonce that never comes (an actor that attached mid-run, busy loading another
+    model, waited 30 s and missed every other publish meanwhile): it fails at once."""
+    key = roll_key(version, "nonce")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if store.check([key]):
+            with contextlib.suppress(RuntimeError):  # deleted between check and get
+                return bytes(store.get(key)).decode(errors="replace")
+        if store.check([LATEST]):
+            latest = bytes(store.get(LATEST)).decode(errors="replace")
+            if latest.isdigit() and int(latest) > version:
+                raise WeightSyncError(
+                    f"weight group {group!r}: v{version}'s publish is over (rank 0 is at "
+                    f"v{latest}); loading nothing, the broker re-publishes to this actor"
+                )
+        if time.monotonic() >= deadline:
+            raise WeightSyncError(
+                f"weight group {group!r}: rank 0 started no roll call for v{version} within "
+                f"{timeout_s:g}s (weights.timeout_s)"
+            )
+        time.sleep(ROLL_POLL_S)
+
+
 def answer_roll(
-    store: dist.Store, group: str, version: int, token: str, rank: int
+    store: dist.Store, group: str, version: int, token: str, rank: int, timeout_s: float
 ) -> tuple[int, int]:
     """A member checks in for `version`'s publish and waits for the roster (each wait is the
     store's timeout, the group's). Returns its (rank, world size) in the group that forms;
     raises WeightSyncError when it was left out or the roster is not the token holder's."""
-    nonce = bytes(store.get(roll_key(version, "nonce"))).decode(errors="replace")
+    nonce = _wait_for_nonce(store, group, version, timeout_s)
     store.set(roll_key(version, rank), roll_proof(token, group, version, rank, nonce))
     signed = bytes(store.get(roll_key(version, "roster")))
     roster, _, signature = signed.decode(errors="replace").rpartition("|")

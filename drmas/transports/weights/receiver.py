@@ -119,7 +119,7 @@ class WeightReceiver:
             store = self._store(join, where)
             with where.phase("roll call"):
                 rank, size = answer_roll(
-                    store, join.group_name, join.version, join.token, join.rank
+                    store, join.group_name, join.version, join.token, join.rank, where.timeout_s
                 )
             name = roster_group(join.group_name, join.version, size - 1, join.world_size - 1)
             key = (name, join.store_address, rank, size)

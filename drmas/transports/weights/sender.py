@@ -18,6 +18,7 @@ formed for the roster alone, once.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import time
@@ -89,7 +90,9 @@ class WeightSender:
         self._retired = Retired()
         self._buffers = Buffers(self.device)
         self._live: tuple[str, Group] | None = None  # (group name, group) kept for the next
-        self._roll: tuple[dist.Store, list[str]] | None = None  # the last roll call's keys
+        # the keys of the last two roll calls (the older go at the next one): a member still
+        # reading the previous one's nonce never finds it gone
+        self._rolls: collections.deque[tuple[dist.Store, list[str]]] = collections.deque()
 
     @property
     def store_address(self) -> str:
@@ -200,16 +203,17 @@ class WeightSender:
         self, group_name: str, version: int, token: str, members: int, peers: Sequence[str]
     ) -> tuple[list[int], list[int]]:
         """(present ranks, left-out ranks) of this publish's roll call (membership.py); the keys
-        of the previous roll call are deleted (its members have read them by now)."""
-        if self._roll is not None:
-            old_store, keys = self._roll
+        of the roll call before the previous one are deleted (its members have read them, or
+        see in the store that rank 0 moved on and fail at once)."""
+        while len(self._rolls) >= 2:
+            old_store, keys = self._rolls.popleft()
             for key in keys:
                 old_store.delete_key(key)
         store = dist.PrefixStore(group_name, self.store)
         store.set("backend", self.backend)  # members read it before they check in
         roll = call_roll(store, group_name, version, token, members, self.cfg.join_timeout_s)
         keys = [roll_key(version, k) for k in ("nonce", "roster", *range(1, members + 1))]
-        self._roll = (store, keys)
+        self._rolls.append((store, keys))
 
         def named(ranks: list[int]) -> str:
             return ", ".join(peers[r - 1] if peers else f"rank {r}" for r in ranks)

@@ -1,0 +1,66 @@
+"""The roll call of a weight publish (drmas/transports/weights/membership.py) for a member
+that comes late: rank 0 keeps the keys of its last two roll calls and deletes older ones,
+so a member whose version's nonce is gone must learn that rank 0 moved on instead of
+waiting out weights.timeout_s for a key that will never come back (round four: an actor
+that attached mid-run waited 30 s in such a roll call, missed every other publish
+meanwhile and was dropped). Real TCPStore on loopback; rank 0 in this thread."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch.distributed as dist
+
+from drmas.transports.weights import WeightSyncError
+from drmas.transports.weights.membership import answer_roll, call_roll, roll_key
+
+TOKEN = "t" * 32
+TIMEOUT_S = 120.0  # what a member would wait without the fix; never reached here
+
+
+@pytest.fixture
+def store():
+    master = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )  # fmt: skip
+    yield dist.PrefixStore("g", master)
+
+
+def test_a_member_whose_roll_call_is_gone_fails_at_once_naming_the_newer_version(store) -> None:
+    roll = call_roll(store, "g", 1, TOKEN, members=1, join_timeout_s=0.05)
+    assert roll.absent == [1]  # the member was late
+    for key in ("nonce", "roster", 1):  # rank 0's clean-up of an older roll call
+        store.delete_key(roll_key(1, key))
+    call_roll(store, "g", 2, TOKEN, members=1, join_timeout_s=0.05)
+    with pytest.raises(WeightSyncError, match=r"v1's publish is over \(rank 0 is at v2\)"):
+        answer_roll(store, "g", 1, TOKEN, rank=1, timeout_s=TIMEOUT_S)
+
+
+def test_a_member_late_for_a_roll_call_still_kept_is_told_it_was_left_out(store) -> None:
+    call_roll(store, "g", 1, TOKEN, members=1, join_timeout_s=0.05)
+    call_roll(store, "g", 2, TOKEN, members=1, join_timeout_s=0.05)
+    with pytest.raises(WeightSyncError, match="left out of v1's publish"):
+        answer_roll(store, "g", 1, TOKEN, rank=1, timeout_s=TIMEOUT_S)
+
+
+def test_no_roll_call_at_all_times_out_at_the_members_bound(store) -> None:
+    with pytest.raises(WeightSyncError, match=r"no roll call for v3 within 0.2s"):
+        answer_roll(store, "g", 3, TOKEN, rank=1, timeout_s=0.2)
+
+
+def test_the_sender_keeps_the_last_two_roll_calls_keys() -> None:
+    """WeightSender deletes a roll call's keys two roll calls later, not at the next one."""
+    from drmas.config.transport import WeightSyncConfig
+    from drmas.transports.weights import WeightSender
+
+    sender = WeightSender(WeightSyncConfig(host="127.0.0.1", timeout_s=10.0, join_timeout_s=0.05))
+    try:
+        prefix = dist.PrefixStore("g", sender.store)
+        for version in (1, 2, 3):
+            sender._roll_call("g", version, TOKEN, 1, ["a"])
+        assert not prefix.check([roll_key(1, "nonce")])
+        assert prefix.check([roll_key(2, "nonce")]) and prefix.check([roll_key(3, "nonce")])
+    finally:
+        sender.close()
