@@ -326,10 +326,9 @@ class Actor:
     async def sync_weights(self) -> None:
         """Receive pending weight publishes in arrival order, each at a safe point.
 
-        The receive runs in a worker thread, so the heartbeat task keeps this actor alive
-        at the broker while it waits in a rendezvous. A join superseded by a newer one for
-        the same model (read from the inbox before each), or older than its timeout (its
-        learner has given up), is skipped."""
+        The receive runs in a worker thread (heartbeats go on meanwhile). A join superseded
+        by a newer one for the same model (read from the inbox before each), or older than
+        its timeout (its learner has given up), is skipped."""
         while self.joins:
             self.drain_inbox()
             join, received = self.joins.pop(0)
