@@ -119,9 +119,12 @@ class WorkflowConfig:
     """A registered team: math (Solver <-> Verifier), search (Verifier -> Search Agent |
     Answer Agent), or one an installed package declares (entry points `drmas.teams`)."""
     target: str = ""
-    """Your own team class instead of `name`: package.module:Class or path/to/file.py:Class
-    (a relative file resolves against the --config file's folder, else the working
-    directory)."""
+    """Your own team instead of `name`: a Team class (package.module:Class or
+    path/to/file.py:Class), or a program `async def episode(client, task)` written against
+    the OpenAI client, whose agents are the config's `agents` (docs/own-team.md). A
+    relative file resolves against the --config file's folder, else the working directory."""
+    episode_timeout_s: Seconds = 600.0
+    """A program team's episode: how long it may run before its group fails."""
     reward: str = ""
     """Replace the team's reward: a function (task, answer or None) -> float, given as
     package.module:fn or path/to/file.py:fn."""

@@ -10,6 +10,7 @@ that say what to fix.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from drmas.config.errors import ConfigError
@@ -21,8 +22,10 @@ if TYPE_CHECKING:
     from drmas.teams.base import Team
 
 
-def team_class(cfg: WorkflowConfig) -> type[Team]:
-    """The team class of `workflow.target`, else of the registered `workflow.name`."""
+def team_class(cfg: WorkflowConfig, agents: Sequence[str] = ()) -> type[Team]:
+    """The team class of `workflow.target`, else of the registered `workflow.name`. A
+    target that is an async function is a program (drmas/teams/program): its team's
+    agents are `agents`, the config's."""
     from drmas.teams.base import Team
 
     if cfg.target:
@@ -40,8 +43,15 @@ def team_class(cfg: WorkflowConfig) -> type[Team]:
         cls = load_object(target, what)
     except (TargetError, ImportError, SyntaxError) as exc:
         raise ConfigError(str(exc)) from exc
+    if cfg.target and inspect.iscoroutinefunction(cls):
+        from drmas.teams.program import program_team
+
+        return program_team(target, cls, tuple(agents))
     if not (isinstance(cls, type) and issubclass(cls, Team)):
-        raise ConfigError(f"{what}={target!r} is not a subclass of drmas.teams.Team")
+        raise ConfigError(
+            f"{what}={target!r} is neither a subclass of drmas.teams.Team nor a program "
+            "(async def episode(client, task))"
+        )
     for attr in ("name", "agents", "default_instructions", "layout"):
         if not hasattr(cls, attr):
             raise ConfigError(f"team {target!r} does not declare {attr!r} (see docs/own-team.md)")
@@ -75,7 +85,7 @@ def resolve(cfg: DrmasConfig, role: str) -> type[Team] | None:
 
 def resolve_team(cfg: DrmasConfig) -> type[Team]:
     """The run's team class, checked against the config's agents and team settings."""
-    team = team_class(cfg.workflow)
+    team = team_class(cfg.workflow, list(cfg.agents))
     expected = set(team.agents)
     if set(cfg.agents) != expected:
         missing, extra = sorted(expected - set(cfg.agents)), sorted(set(cfg.agents) - expected)

@@ -21,6 +21,7 @@ from drmas.tasks.source import TaskFileError, TaskSource
 from drmas.teams.base import Team
 from drmas.teams.layout import TeamLayout
 from drmas.teams.math import MathTeam
+from drmas.teams.program import ProgramTeam
 from drmas.teams.resolve import resolve, team_class, team_name
 from drmas.teams.search import SearchTeam
 from tests.fixtures.engines import CharTokenizer, ScriptedEngine
@@ -115,8 +116,13 @@ def test_builtin_teams_are_registered_like_any_other(monkeypatch: pytest.MonkeyP
     assert team_class(WorkflowConfig(name="asker")) is Asker  # an installed package's team
     with pytest.raises(ConfigError, match=r"not a registered team \['asker', 'math', 'search'\]"):
         team_class(WorkflowConfig(name="askr"))
-    with pytest.raises(ConfigError, match=r"not a subclass of drmas\.teams\.Team"):
-        team_class(WorkflowConfig(target=f"{__name__}:calculator"))
+    with pytest.raises(
+        ConfigError, match=r"neither a subclass of drmas\.teams\.Team nor a program"
+    ):
+        team_class(WorkflowConfig(target=f"{__name__}:sync_tool"))
+    # an async function is a program (drmas/teams/program): the config's agents are its team
+    program = team_class(WorkflowConfig(target=f"{__name__}:calculator"), ["a", "b"])
+    assert issubclass(program, ProgramTeam) and program.agents == ("a", "b")
 
 
 def test_config_names_both_agent_lists_and_checks_plugins(tmp_path: Path) -> None:
