@@ -232,7 +232,7 @@ def outcomes(workdir: Path) -> Outcomes:
 def test_documents_have_commands() -> None:
     """The extraction finds what the README shows (a broken extractor would test nothing)."""
     texts = [doc.text for doc in COMMANDS]
-    assert any(t.startswith("drmas train workflow.target=my_pkg.teams:Debate") for t in texts)
+    assert any(t.startswith("drmas train workflow.target=my_agents.py:episode") for t in texts)
     assert any("drmas config algorithm --docs" in t for t in texts)
     assert any(t.endswith(".venv/bin/drmas train") for t in texts)  # the set-up line
     assert len(COMMANDS) > 50
