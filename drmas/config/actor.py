@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from drmas.config.types import (
     Device,
@@ -125,6 +125,14 @@ class WorkflowConfig:
     relative file resolves against the --config file's folder, else the working directory."""
     episode_timeout_s: Seconds = 600.0
     """A program team's episode: how long it may run before its group fails."""
+    endpoint: Literal["in_process", "http"] = "in_process"
+    """A program team's client: in_process (its transport calls the actor directly) or
+    http (the actor serves the endpoint; the client's base_url and api_key can be handed
+    to another process)."""
+    endpoint_host: str = "127.0.0.1"
+    """endpoint=http: the address it listens on (loopback unless you say otherwise)."""
+    endpoint_port: Port = 0
+    """endpoint=http: its port (0: a free one, logged)."""
     reward: str = ""
     """Replace the team's reward: a function (task, answer or None) -> float, given as
     package.module:fn or path/to/file.py:fn."""

@@ -7,13 +7,16 @@ bind); served over HTTP, an ASGI server runs the same app. The app only reads an
 the request (chat.py) and hands a `ChatCall` to `complete`, which the program team
 (team.py) implements: render, generate, record the step, answer.
 
-Bounded: a body over `max_body_bytes` is refused with 413 before it is read further; a
-request without the bearer token (when one is set) gets 401.
+Bounded: a body over `max_body_bytes` is refused with 413 before it is read further, one
+slower than `body_deadline_s` with 408; a request without the bearer token (when one is
+set) gets 401.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -37,11 +40,13 @@ class ChatEndpoint:
         complete: Complete,
         token: str = "",
         max_body_bytes: int = MAX_BODY_BYTES,
+        body_deadline_s: float = 30.0,
     ) -> None:
         self.agents = list(agents)
         self.complete = complete
         self.token = token
         self.max_body_bytes = max_body_bytes
+        self.body_deadline_s = body_deadline_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -50,22 +55,11 @@ class ChatEndpoint:
         if scope["type"] != "http":
             return
         status, body = await self._answer(scope, receive)
-        payload = json.dumps(body).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
+        await respond(send, status, body)
 
     async def _answer(self, scope: Scope, receive: Receive) -> tuple[int, dict[str, Any]]:
         try:
-            if self.token and _bearer(scope) != self.token:
+            if self.token and bearer(scope) != self.token:
                 raise ChatError(
                     401, "missing or wrong bearer token (the run folder's endpoint token)"
                 )
@@ -82,8 +76,12 @@ class ChatEndpoint:
 
     async def _json(self, receive: Receive) -> object:
         chunks, size = [], 0
+        deadline = time.monotonic() + self.body_deadline_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise ChatError(408, f"the body took over {self.body_deadline_s:g}s") from None
             if message["type"] == "http.disconnect":
                 raise ChatError(400, "the client hung up before the body was complete")
             chunk = message.get("body", b"")
@@ -99,7 +97,18 @@ class ChatEndpoint:
             raise ChatError(400, f"the body is not JSON: {exc}") from None
 
 
-def _bearer(scope: Scope) -> str:
+async def respond(send: Send, status: int, body: dict[str, Any]) -> None:
+    """One JSON response."""
+    payload = json.dumps(body).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def bearer(scope: Scope) -> str:
     for name, value in scope.get("headers", []):
         if name.lower() == b"authorization":
             text = value.decode("latin-1")

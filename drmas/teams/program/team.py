@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import math
+import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar
 
@@ -38,6 +39,7 @@ from drmas.teams.base import Team, as_ids
 from drmas.teams.layout import TeamLayout
 from drmas.teams.program.chat import ChatCall, ChatError, completion, cut_at_stop
 from drmas.teams.program.endpoint import ChatEndpoint
+from drmas.teams.program.server import EndpointServer, endpoint_token
 
 Program = Callable[[Any, Task], Awaitable[object]]
 BASE_URL = "http://drmas.in-process/v1"
@@ -74,9 +76,25 @@ class ProgramTeam(Team):
                     "returns its own reward and calls its own tools; drop the setting"
                 )  # fmt: skip
 
+    run_dir: str = ""
+    server: EndpointServer | None = None
+
+    @classmethod
+    def build(cls, cfg: Any, *args: Any, **kwargs: Any) -> Team:
+        team = super().build(cfg, *args, **kwargs)
+        assert isinstance(team, ProgramTeam)
+        team.run_dir = cfg.run.dir  # where endpoint=http keeps its bearer token
+        return team
+
     async def run_episode(self, task: Task, sampling: SamplingParams) -> Episode:
         episode = ProgramEpisode(self, sampling)
-        client = in_process_client(ChatEndpoint(self.agents, episode.complete), self.cfg)
+        key = secrets.token_hex(8)
+        if self.cfg.endpoint == "http":
+            server = await self._server()
+            server.router.episodes[key] = ChatEndpoint(self.agents, episode.complete, server.token)
+            client = http_client(server.base_url(key), server.token, self.cfg)
+        else:
+            client = in_process_client(ChatEndpoint(self.agents, episode.complete), self.cfg)
         timeout = self.cfg.episode_timeout_s
         try:
             result = await asyncio.wait_for(type(self).program(client, task), timeout)
@@ -86,6 +104,8 @@ class ProgramTeam(Team):
             ) from None
         finally:
             await client.close()
+            if self.server is not None:
+                self.server.router.episodes.pop(key, None)
         if episode.failure is not None:
             raise episode.failure
         if not episode.steps:
@@ -97,6 +117,20 @@ class ProgramTeam(Team):
         for step in episode.steps:
             step.reward = rewards.get(step.agent)
         return Episode(episode.steps, reward, metrics)
+
+    async def _server(self) -> EndpointServer:
+        if self.server is None:
+            token = endpoint_token(self.run_dir)
+            server = EndpointServer(self.cfg.endpoint_host, self.cfg.endpoint_port, token)
+            await server.start()
+            self.server = server
+        return self.server
+
+    async def close(self) -> None:
+        await super().close()
+        if self.server is not None:
+            server, self.server = self.server, None
+            await server.close()
 
 
 class ProgramEpisode:
@@ -232,6 +266,16 @@ def in_process_client(app: ChatEndpoint, cfg: Any) -> Any:
         api_key="drmas-in-process", base_url=BASE_URL, http_client=http, max_retries=0,
         timeout=cfg.episode_timeout_s,
     )  # fmt: skip
+
+
+def http_client(base_url: str, token: str, cfg: Any) -> Any:
+    """An `openai.AsyncOpenAI` for the actor's HTTP endpoint (base_url and api_key can be
+    handed to another process)."""
+    import openai
+
+    return openai.AsyncOpenAI(
+        api_key=token, base_url=base_url, max_retries=0, timeout=cfg.episode_timeout_s
+    )
 
 
 def program_team(target: str, fn: Program, agents: tuple[str, ...]) -> type[ProgramTeam]:
