@@ -143,7 +143,13 @@ def _absolute_targets(merged: Any, overrides: list[str], config_file: Path | Non
 
     given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
     tools = OmegaConf.select(merged, "workflow.tools") or {}
-    for key in (*TARGET_KEYS, *(f"workflow.tools.{name}" for name in tools)):
+    models = OmegaConf.select(merged, "models") or {}
+    own_warm_starts = [
+        f"models.{m}.warmstart.workflow"
+        for m in models
+        if ".py:" in str(OmegaConf.select(merged, f"models.{m}.warmstart.workflow") or "")
+    ]  # a warm start's transcripts from a file of yours (a name or module:NAME stays)
+    for key in (*TARGET_KEYS, *(f"workflow.tools.{name}" for name in tools), *own_warm_starts):
         value = OmegaConf.select(merged, key)
         if isinstance(value, str) and value:
             base = config_file.parent if config_file and key not in given else Path.cwd()

@@ -155,13 +155,18 @@ def test_file_targets_in_a_config_file_resolve_against_its_folder(tmp_path: Path
         textwrap.dedent(
             """
             task: {name: tasks.py:make}
-            models: {m: {path: builtin:tiny-qwen2}}
-            agents: {solver: {model: m}, verifier: {model: m}}
+            models:
+              m: {path: builtin:tiny-qwen2, warmstart: {workflow: transcripts.py:SOURCE}}
+              n: {path: builtin:tiny-qwen2, warmstart: {workflow: search}}
+            agents: {solver: {model: m}, verifier: {model: n}}
             """
         )
     )
     cfg = load_config([], str(folder / "config.yaml"))
     assert cfg.task.name == f"{folder / 'tasks.py'}:make"
+    # a warm start's transcripts from a file resolve the same way; a built-in name stays
+    assert cfg.models["m"].warmstart.workflow == f"{folder / 'transcripts.py'}:SOURCE"
+    assert cfg.models["n"].warmstart.workflow == "search"
     source = TaskSource(cfg.task)
     assert [t.task_id for t in source.val] == ["make:val:0", "make:val:1"]
     assert source.train[0] == Task("make:train:0", "2+1", "3", "make")

@@ -172,6 +172,14 @@ def _flag(body: dict[str, Any], key: str) -> bool:
     return value
 
 
+def plain_chat(messages: Sequence[dict[str, str]]) -> str:
+    """The prompt of a model without a chat template (the built-in tiny models): one line
+    per message, "System: ...", "User: ...", "Assistant: ...", then "Assistant:". A warm
+    start for a program's format writes its transcripts with this too."""
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n".join([*lines, "Assistant:"])
+
+
 def cut_at_stop(text: str, stops: Sequence[str]) -> str:
     """The answer's text without a stop string and what follows it (as OpenAI returns it;
     the tokens trained keep it: they are what was sampled)."""

@@ -37,7 +37,7 @@ from drmas.protocol.engine import GenerateRequest
 from drmas.protocol.messages import MAX_ABS_REWARD, Episode, SamplingParams, Step, Task
 from drmas.teams.base import Team, as_ids
 from drmas.teams.layout import TeamLayout
-from drmas.teams.program.chat import ChatCall, ChatError, completion, cut_at_stop
+from drmas.teams.program.chat import ChatCall, ChatError, completion, cut_at_stop, plain_chat
 from drmas.teams.program.endpoint import ChatEndpoint
 from drmas.teams.program.server import EndpointServer, endpoint_token
 
@@ -198,10 +198,7 @@ def render(tokenizer: Any, messages: list[dict[str, str]], model: str) -> list[i
             return as_ids(
                 tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             )
-        lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-        return list(
-            tokenizer("\n".join([*lines, "Assistant:"]), add_special_tokens=False).input_ids
-        )
+        return list(tokenizer(plain_chat(messages), add_special_tokens=False).input_ids)
     except Exception as exc:  # the template's own message says what is wrong
         raise ChatError(
             400, f"model {model!r} could not render the messages: {exc}", "messages"

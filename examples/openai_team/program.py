@@ -1,0 +1,53 @@
+"""A Solver and a Checker written against the OpenAI client only: nothing here imports
+drmas, and the same function runs against any OpenAI-compatible server.
+
+The Solver answers an arithmetic question; the Checker judges the answer; a rejected
+answer gets one retry with the Checker's "no" in the Solver's context. The team is paid
+for the final answer, the Checker for a verdict that matches the truth.
+
+    drmas train --config examples/openai_team/config.yaml
+"""
+
+import re
+
+SOLVE = "Solve."
+CHECK = "Check."
+
+
+def number(text):
+    found = re.search(r"-?\d+", text)
+    return found.group(0) if found else None
+
+
+async def ask(client, agent, messages):
+    reply = await client.chat.completions.create(model=agent, messages=messages)
+    return reply.choices[0].message.content.strip()
+
+
+async def episode(client, task):
+    solver = [{"role": "system", "content": SOLVE}, {"role": "user", "content": task.question}]
+    first = await ask(client, "solver", solver)
+    verdict = await ask(
+        client,
+        "checker",
+        [
+            {"role": "system", "content": CHECK},
+            {"role": "user", "content": f"{task.question} = {first}"},
+        ],
+    )
+    approved = verdict.lower().startswith("yes")
+    final = first
+    if not approved:  # one retry, told why
+        retry = [
+            *solver,
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "No."},
+        ]
+        final = await ask(client, "solver", retry)
+    first_right = number(first) == task.answer
+    right = number(final) == task.answer
+    return {
+        "reward": float(right),
+        "rewards": {"checker": float(approved == first_right)},
+        "metrics": {"first_right": float(first_right), "approved": float(approved)},
+    }
