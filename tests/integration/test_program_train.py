@@ -17,16 +17,19 @@ from tests.integration.conftest import REPO, check_accounting, read_metrics, rea
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.parametrize("endpoint", ["in_process", "http"])
 def test_a_program_team_trains_its_agents_on_one_shared_model(
-    tmp_path: Path, model_cache: Path
+    tmp_path: Path, model_cache: Path, endpoint: str
 ) -> None:
+    """Both transports: the client calls the actor in process, or over the actor's HTTP
+    endpoint with the run's bearer token."""
     run_dir = tmp_path / "run"
     program = REPO / "tests" / "fixtures" / "openai_program.py"
     out = subprocess.run(
         [sys.executable, "-m", "drmas.launch.cli", "train", "experiment=tiny_math_shared",
          f"workflow.target={program}:episode", "~agents",
          "+agents={writer: {model: policy}, critic: {model: policy}}",
-         "agents.critic.sampling.max_new_tokens=6",
+         "agents.critic.sampling.max_new_tokens=6", f"workflow.endpoint={endpoint}",
          "train.steps=2", "group_size=4", "batch_groups=2", "val.every=2", "val.num_tasks=8",
          "models.policy.warmstart.steps=60", f"run.dir={run_dir}", f"run.cache_dir={model_cache}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=900,
@@ -43,3 +46,4 @@ def test_a_program_team_trains_its_agents_on_one_shared_model(
     val = [x for x in lines if "val/tasks" in x]
     assert {x["step"] for x in val} == {0, 2} and all(x["val/tasks"] == 8 for x in val)
     check_accounting(read_summary(run_dir), batch_groups=2)
+    assert (run_dir / "endpoint.secret").is_file() == (endpoint == "http")
