@@ -1,9 +1,8 @@
 """A Solver and a Checker written against the OpenAI client only: nothing here imports
 drmas, and the same function runs against any OpenAI-compatible server.
 
-The Solver answers an arithmetic question; the Checker judges the answer; a rejected
-answer gets one retry with the Checker's "no" in the Solver's context. The team is paid
-for the final answer, the Checker for a verdict that matches the truth.
+The Solver answers an arithmetic question and the Checker judges the answer. The team is
+paid for a right answer, the Checker for a verdict that matches the truth.
 
     drmas train --config examples/openai_team/config.yaml
 """
@@ -36,18 +35,9 @@ async def episode(client, task):
         ],
     )
     approved = verdict.lower().startswith("yes")
-    final = first
-    if not approved:  # one retry, told why
-        retry = [
-            *solver,
-            {"role": "assistant", "content": first},
-            {"role": "user", "content": "No."},
-        ]
-        final = await ask(client, "solver", retry)
-    first_right = number(first) == task.answer
-    right = number(final) == task.answer
+    right = number(first) == task.answer
     return {
         "reward": float(right),
-        "rewards": {"checker": float(approved == first_right)},
-        "metrics": {"first_right": float(first_right), "approved": float(approved)},
+        "rewards": {"checker": float(approved == right)},
+        "metrics": {"approved": float(approved)},
     }
