@@ -50,7 +50,7 @@ class ChatEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -116,7 +116,8 @@ def bearer(scope: Scope) -> str:
     return ""
 
 
-async def _lifespan(receive: Receive, send: Send) -> None:
+async def lifespan(receive: Receive, send: Send) -> None:
+    """ASGI lifespan events: nothing to set up or tear down, acknowledged."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":

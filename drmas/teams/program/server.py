@@ -28,7 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from drmas.teams.program.chat import ChatError
-from drmas.teams.program.endpoint import ChatEndpoint, Receive, Scope, Send, bearer, respond
+from drmas.teams.program.endpoint import (
+    ChatEndpoint,
+    Receive,
+    Scope,
+    Send,
+    bearer,
+    lifespan,
+    respond,
+)
 
 log = logging.getLogger("drmas.actor")
 
@@ -63,7 +71,7 @@ class Router:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await ChatEndpoint([], _never)(scope, receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -90,10 +98,6 @@ class Router:
         async with self.slots:
             inner = {**scope, "path": "/" + rest.rstrip("/")}
             await endpoint(inner, receive, send)
-
-
-async def _never(call: Any) -> dict[str, Any]:
-    raise ChatError(404, "no episode")
 
 
 class EndpointServer:
