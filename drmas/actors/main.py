@@ -25,7 +25,6 @@ import socket
 import sys
 import time
 import zlib
-from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,9 +39,9 @@ from drmas.actors.failures import (
     group_failure,
     report_path,
 )
+from drmas.actors.loading import load_here, log_load, wants_digest
 from drmas.actors.timebook import TimeBook
 from drmas.config import DrmasConfig
-from drmas.config.model import weights_dtype
 from drmas.protocol.messages import (
     Accepted,
     Episode,
@@ -62,7 +61,7 @@ from drmas.teams.base import Team
 from drmas.teams.resolve import resolve
 from drmas.threads import env_threads
 from drmas.transports.channel import BrokerClient, BrokerRefused, BrokerUnavailable
-from drmas.transports.weights import NamedTensors, WeightReceiver
+from drmas.transports.weights import WeightReceiver
 
 log = logging.getLogger("drmas.actor")
 T = TypeVar("T")
@@ -84,18 +83,6 @@ LOOP_S = 0.02
 def is_unknown_client(msg: object) -> bool:
     """The broker's refusal of a message from a connection it does not know (any more)."""
     return isinstance(msg, ErrorReply) and msg.code == "unknown_client"
-
-
-def _fault_kill_mid_sync(join: JoinWeightGroup) -> None:
-    """Fault injection for tests: DRMAS_FAULT_KILL_IN_WEIGHTS=MODEL:VERSION SIGKILLs this
-    actor right after the first bucket of a publish of MODEL at VERSION or later arrived,
-    i.e. in the middle of a weight broadcast (tests/integration/test_faults.py)."""
-    spec = os.environ.get("DRMAS_FAULT_KILL_IN_WEIGHTS", "")
-    if spec:
-        model, _, version = spec.partition(":")
-        if join.model == model and join.version >= int(version or 0):
-            log.warning("fault injection: SIGKILL in the middle of %s", join.group_name)
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fault_kill_holding_leases(leases: list[Lease]) -> None:
@@ -340,10 +327,7 @@ class Actor:
             engine = self.engines[join.model]
             start = time.monotonic()
             ok, error, digest = True, "", ""
-            same_dtype = self.cfg.actor.engine_of(join.model).dtype == weights_dtype(
-                self.cfg.models[join.model].precision
-            )
-            want_digest = self.cfg.weights.verify_digest and same_dtype
+            want_digest = wants_digest(self.cfg, join.model)
             marks = [("pause", time.monotonic())]  # where the load's time went, for the log
             await engine.pause()
             marks.append(("backup", time.monotonic()))
@@ -354,19 +338,7 @@ class Actor:
                 if isinstance(engine, ReceivesWeights):  # its own workers join the group
                     digest = await engine.receive_weights(join, want_digest)
                 else:
-
-                    def load(
-                        tensors: NamedTensors, e: Engine = engine, j: JoinWeightGroup = join
-                    ) -> None:
-                        e.load_weights(tensors, j.version)
-                        _fault_kill_mid_sync(j)
-
-                    got = await asyncio.to_thread(self.receiver.receive_into, join, load)
-                    if got.tensors == 0:  # a LoRA publish of no adapter: the version alone
-                        engine.load_weights([], join.version)
-                    marks.append(("digest", time.monotonic()))
-                    if want_digest:
-                        digest = engine.weights_digest()
+                    digest = await load_here(engine, self.receiver, join, want_digest, marks)
             except Exception as exc:  # a failed sync must not kill the actor: it re-syncs later
                 ok, error = False, f"{type(exc).__name__}: {exc}"
                 error += self.after_failed_load(join.model, engine, backup, held)
@@ -378,7 +350,7 @@ class Actor:
                 marks.append(("resume", time.monotonic()))
                 await engine.resume()
             seconds = time.monotonic() - start
-            _log_load(join, ok, [*marks, ("", start + seconds)])
+            log_load(join, ok, [*marks, ("", start + seconds)])
             self.client.send(
                 WeightsLoaded(self.id, join.model, join.version, seconds, ok, error, digest)
             )
@@ -442,14 +414,6 @@ class Actor:
         log.info(
             "actor %s stopped (%s); handed back %d leases", self.id, self.stopping, len(unfinished)
         )
-
-
-def _log_load(join: JoinWeightGroup, ok: bool, marks: list[tuple[str, float]]) -> None:
-    """One line per load: its seconds and where they went (`marks`: (phase, start)...)."""
-    parts = ", ".join(f"{what} {b - a:.2f}" for (what, a), (_, b) in pairwise(marks))
-    seconds = marks[-1][1] - marks[0][1]
-    state = "loaded" if ok else "not loaded"
-    log.info("%s v%d %s in %.2fs (%s)", join.model, join.version, state, seconds, parts)
 
 
 def make_workflow(

@@ -357,6 +357,7 @@ class Learner:
         finally:
             for _ in gathered:  # keep gathering in step with the other ranks
                 pass
+            digest.wait()  # no hash still reading the weights the next step changes
         self.client.send(done)
         sender.release()  # tear the group down now, while the actors load and resume
         return done.seconds

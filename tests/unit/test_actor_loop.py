@@ -139,7 +139,7 @@ def test_a_publish_of_no_tensor_moves_the_version(monkeypatch: pytest.MonkeyPatc
     sent: list[object] = []
     monkeypatch.setattr(actor.client, "send", sent.append)
     monkeypatch.setattr(
-        actor.receiver, "receive_into", lambda join, load: ReceiveStats(0.0, 0, 0, 0)
+        actor.receiver, "receive_into", lambda join, load, *_: ReceiveStats(0.0, 0, 0, 0)
     )
 
     async def main() -> None:

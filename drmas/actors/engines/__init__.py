@@ -12,7 +12,7 @@ adapter names (DrmasConfig.adapters_of) on, and each request names its adapter.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -60,6 +60,21 @@ class RollsBack(Protocol):
 
     def restore_weights(self, backup: object) -> None:
         """Undo every load since `backup` was taken (call only while paused)."""
+        ...
+
+
+@runtime_checkable
+class ReadsBack(Protocol):
+    """An in-process engine whose loaded tensors can be read where they lie: the receiver
+    hashes them once a bucket is loaded (instead of the bucket), so its one pass both
+    checks the publish's digest and gives the engine's fingerprint."""
+
+    def loaded_view(
+        self,
+    ) -> Callable[[list[str]], list[tuple[str, torch.Tensor]]] | None:
+        """The engine's tensors by name as `load_weights` left them, when their
+        fingerprint over a whole publish is `weights_digest()` (else None: a LoRA base's
+        fingerprint also covers adapters a publish may not carry)."""
         ...
 
 

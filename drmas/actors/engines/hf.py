@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -286,6 +286,14 @@ class HFEngine:
         else:
             self.model.load_state_dict(state)
         self.version = version
+
+    def loaded_view(self) -> Callable[[list[str]], list[tuple[str, torch.Tensor]]] | None:
+        """What load_weights wrote, by the names it took (ReadsBack); None on a LoRA base
+        (its fingerprint covers every adapter, a publish may carry some)."""
+        if self.model is None or self.adapters:
+            return None
+        targets = self._targets()
+        return lambda names: [(name, targets[name]) for name in names]
 
     def weights_digest(self) -> str:
         """Fingerprint of the weights generation uses (drmas.transports.digest): on a LoRA

@@ -17,7 +17,11 @@ What arrives proves itself before the engine may serve it:
   tensors add up to, whatever bucket size rank 0 announces;
 - the bytes: with a digest trailer, a digest of everything received is compared with it
   after the last bucket; a mismatch raises WeightSyncError, and the actor rolls the engine
-  back or quarantines it exactly as on a failed load (the engine is paused throughout);
+  back or quarantines it exactly as on a failed load (the engine is paused throughout).
+  Given the engine's own tensors (`live`), the receiver hashes those once each bucket is
+  loaded instead of the bucket: one hash then proves the bytes arrived intact and that the
+  engine holds them, and is the fingerprint the actor reports (no second pass over the
+  model); hashing runs on worker threads while the next bucket arrives and loads;
 - the values: a bucket holding NaN or inf raises WeightSyncError before it is handed on
   (drmas/finite.py), whatever the digest says.
 """
@@ -25,7 +29,7 @@ What arrives proves itself before the engine may serve it:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +66,9 @@ from drmas.transports.weights.membership import answer_roll, roster_group
 
 Expecting = Callable[[JoinWeightGroup], "Expected | None"]
 """What the engine serving a join's model holds (None: not known, not checked)."""
+Live = Callable[[list[str]], NamedTensors]
+"""The tensors the engine serves under these names, as `load` left them (same dtype as
+sent: their bytes are the received ones when the load went right)."""
 
 
 @dataclass
@@ -70,6 +77,9 @@ class ReceiveStats:
     bytes: int
     buckets: int
     tensors: int
+    digest: str = ""
+    """With `live` and a header checked against what the engine holds: the fingerprint of
+    the engine's tensors (drmas.transports.digest), equal to the sender's; else ""."""
 
 
 class WeightReceiver:
@@ -152,20 +162,29 @@ class WeightReceiver:
         join: JoinWeightGroup,
         load: Callable[[NamedTensors], None],
         expected: Expected | None = None,
+        live: Live | None = None,
     ) -> ReceiveStats:
         """Receive every bucket and call `load` once per bucket with (HF name, tensor) views
         into it. The views are only valid during that call (the buffer is reused for a later
         bucket): `load` copies them into the model, as Engine.load_weights does. Raises
         WeightSyncError before the first `load` on a header that is not `expected` (else
-        what the receiver's `expected` says), and after the last on a digest mismatch."""
+        what the receiver's `expected` says), and after the last on a digest mismatch.
+        `live`: the engine's tensors by name after a `load`: hashed instead of the bucket
+        (their fingerprint comes back in ReceiveStats.digest)."""
         start = time.monotonic()
         nbytes = buckets = tensors = 0
-        for batch in self._buckets(join, expected):
+        stream = self._buckets(join, expected, live)
+        while True:
+            try:
+                batch = next(stream)
+            except StopIteration as end:
+                fingerprint = end.value
+                break
             load(batch)
             buckets += 1
             tensors += len(batch)
             nbytes += sum(t.numel() * t.element_size() for _, t in batch)
-        return ReceiveStats(time.monotonic() - start, nbytes, buckets, tensors)
+        return ReceiveStats(time.monotonic() - start, nbytes, buckets, tensors, fingerprint)
 
     def receive(
         self, join: JoinWeightGroup, expected: Expected | None = None
@@ -178,14 +197,17 @@ class WeightReceiver:
             yield from batch
 
     def _buckets(
-        self, join: JoinWeightGroup, expected: Expected | None
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        self, join: JoinWeightGroup, expected: Expected | None, live: Live | None = None
+    ) -> Generator[list[tuple[str, torch.Tensor]], None, str]:
+        """Each bucket's (name, view) pairs, checked; returns the fingerprint of `live`'s
+        tensors when they were hashed and the header covers what the engine holds, else ""."""
         self.release()
         peer = f"learner rank 0 of {join.model} at {join.store_address}"
         where = Where(join.group_name, join.rank, join.world_size, join.timeout_s, peer)
         if expected is None and self.expected is not None:
             expected = self.expected(join)
         group, key = self._group(join, where)
+        digest: Digest | None = None
         try:
             if join.token:
                 group.authenticate(join.token)
@@ -207,27 +229,36 @@ class WeightReceiver:
                     (header.tensors[i].name, flat[off : off + n].view(header.tensors[i].shape))
                     for i, off, n in bucket.members
                 ]
-                if digest is not None:
+                if digest is not None and live is None:
                     for name, tensor in batch:
-                        digest.add(name, tensor)
+                        digest.submit(name, tensor)
                 _refuse_non_finite(batch, group)
                 yield batch
+                if digest is not None and live is not None:  # what the engine now holds
+                    for name, tensor in live([name for name, _ in batch]):
+                        digest.submit(name, tensor)
+                elif digest is not None:
+                    digest.wait(close=False)  # the buffer takes a later bucket from here
                 self._buffers.give(flat, cap)
             if digest is not None:
-                self._check_digest(group, digest)
+                self._check_digest(group, digest, live is not None)
         except BaseException:  # includes GeneratorExit: the caller stopped early
+            if digest is not None:
+                digest.wait()  # no hash left reading a buffer or the engine
             group.close(ok=False)
             self._buffers.reset()
             raise
         self._live[join.model] = (key, group)
+        covered = digest is not None and live is not None and expected is not None
+        return digest.hexdigest() if covered and digest is not None else ""
 
     def _post(self, pipeline: Pipeline, plan: list[Bucket], b: int, cap: int) -> None:
         buffer = self._buffers.take(plan[b].dtype, plan[b].numel, cap)
         pipeline.push(buffer, f"bucket {b} of {len(plan)}")
 
-    def _check_digest(self, group: Group, digest: Digest) -> None:
-        """Compare what arrived with rank 0's digest of what it sent, before the caller
-        may make it live."""
+    def _check_digest(self, group: Group, digest: Digest, loaded: bool = False) -> None:
+        """Compare what arrived (`loaded`: what the engine holds after loading it) with rank
+        0's digest of what it sent, before the caller may make it live."""
         trailer = torch.zeros(DIGEST_BYTES, dtype=torch.uint8, device=self.device)
         group.broadcast(trailer, "digest")
         sent = trailer.cpu().numpy().tobytes()
@@ -236,7 +267,8 @@ class WeightReceiver:
             raise WeightSyncError(
                 f"weight group {group.where.group!r}: digest of the received weights "
                 f"{got.decode(errors='replace')} differs from rank 0's "
-                f"{sent.decode(errors='replace')[:DIGEST_BYTES]}: bytes changed on the way; "
+                f"{sent.decode(errors='replace')[:DIGEST_BYTES]}: bytes changed on the way"
+                f"{' or the engine did not take them as sent' if loaded else ''}; "
                 "not making them live"
             )
 

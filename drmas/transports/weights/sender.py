@@ -252,7 +252,7 @@ class WeightSender:
                 got = spec_of(name, tensor)
                 raise WeightSyncError(f"tensor {i} is {got}, header said {specs[i : i + 1]}")
             if digest is not None:
-                digest.add(name, tensor)
+                digest.submit(name, tensor)
             b, offset = where[i]
             bucket = buckets[b]
             flat = tensor.detach().reshape(-1).to(self.device)
