@@ -47,7 +47,7 @@ from benchmarks.provenance import git_state  # noqa: E402
 MODES = ("read_back", "bucket_hash", "no_digest")
 
 
-def actor(conn: Any, folder: str, address: str, rounds: int) -> None:
+def actor(conn: Any, folder: str, addresses: dict[str, str], rounds: int, threads: int) -> None:
     """The actor side: load every round's publish into a real hf engine, report timings."""
     from drmas.actors.engines.hf import HFEngine
     from drmas.config.actor import EngineConfig
@@ -55,6 +55,7 @@ def actor(conn: Any, folder: str, address: str, rounds: int) -> None:
     from drmas.protocol.messages import JoinWeightGroup
     from drmas.transports.weights import WeightReceiver
 
+    torch.set_num_threads(threads)
     engine = HFEngine("m", folder, EngineConfig())
     engine._load()  # the model only: no scheduler, nothing generates during the benchmark
     receivers = {
@@ -66,7 +67,11 @@ def actor(conn: Any, folder: str, address: str, rounds: int) -> None:
     for version in range(1, rounds * len(MODES) + 1):
         mode = conn.recv()
         receiver = receivers[mode != "no_digest"]
-        join = JoinWeightGroup("m", version, f"g-{mode}", address, 1, 2, 120.0, "tok")
+        # a model name and a store per mode: each mode's group is kept across its rounds, as
+        # a run keeps its group while the members stay the same
+        join = JoinWeightGroup(
+            f"m-{mode}", version, f"g-{mode}", addresses[mode], 1, 2, 120.0, "tok"
+        )
         conn.send("ready")
         wall, cpu = time.perf_counter(), time.process_time()
         engine.backup_weights()
@@ -92,6 +97,13 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/publish_load.json")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after a warm-up")
     parser.add_argument("--model", default="builtin:smollm2-135m")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, len(os.sched_getaffinity(0)) // 2),
+        help="torch threads of each side (default: what drmas train hands a learner and an "
+        "actor sharing this machine's CPUs)",
+    )
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -106,17 +118,18 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     state = [(n, p.detach()) for n, p in model.named_parameters()]
     specs = [spec_of(n, t) for n, t in state]
+    torch.set_num_threads(args.threads)
     senders = {
-        v: WeightSender(WeightSyncConfig(verify_digest=v, timeout_s=120.0)) for v in (True, False)
+        mode: WeightSender(WeightSyncConfig(verify_digest=mode != "no_digest", timeout_s=120.0))
+        for mode in MODES
     }
-    senders[False].store = senders[True].store  # one store address for the actor
-    address = senders[True].store_address
+    addresses = {mode: sender.store_address for mode, sender in senders.items()}
     busy_at_start = psutil.cpu_percent(interval=5.0)
     load_at_start = os.getloadavg()[0]
     rounds = args.rounds + 1
     here, there = multiprocessing.get_context("spawn").Pipe()
     proc = multiprocessing.get_context("spawn").Process(
-        target=actor, args=(there, folder, address, rounds), daemon=True
+        target=actor, args=(there, folder, addresses, rounds, args.threads), daemon=True
     )
     proc.start()
     rows: list[dict[str, Any]] = []
@@ -131,7 +144,7 @@ def main() -> None:
                 verify = mode != "no_digest"
                 stream = hashing(iter(state), digest) if verify else iter(state)
                 wall, cpu = time.perf_counter(), time.process_time()
-                stats = senders[verify].publish(
+                stats = senders[mode].publish(
                     f"g-{mode}", 2, stream, 120.0, specs=specs, token="tok",
                     digest=digest if verify else None, version=version,
                 )  # fmt: skip
@@ -170,6 +183,7 @@ def main() -> None:
         "load_at_start": load_at_start,
         "load_at_end": os.getloadavg()[0],
         "cpus": len(os.sched_getaffinity(0)),
+        "threads_per_side": args.threads,
         "model": args.model,
         "bytes": rows[0]["bytes"],
         "rounds": args.rounds,
