@@ -1,8 +1,9 @@
 """A Solver and a Checker written against the OpenAI client only: nothing here imports
 drmas, and the same function runs against any OpenAI-compatible server.
 
-The Solver answers an arithmetic question and the Checker judges the answer. The team is
-paid for a right answer, the Checker for a verdict that matches the truth.
+The Solver answers an arithmetic question and the Checker judges the answer; the team gives
+an answer only when the Checker approves it. The team is paid for a right answer it gave,
+the Checker for a verdict that matches the truth.
 
     drmas train --config examples/openai_team/config.yaml
 """
@@ -37,7 +38,7 @@ async def episode(client, task):
     approved = verdict.lower().startswith("yes")
     right = number(first) == task.answer
     return {
-        "reward": float(right),
+        "reward": float(right and approved),
         "rewards": {"checker": float(approved == right)},
-        "metrics": {"approved": float(approved)},
+        "metrics": {"approved": float(approved), "solver_right": float(right)},
     }

@@ -4,9 +4,9 @@ starts between reward 0 and 1 (a real pretrained model needs none of this: drop
 does not.
 
 Each transcript is one agent call as the endpoint renders it for a model without a chat
-template (drmas.teams.program.chat.plain_chat): the Solver right about 70 % of the time
-(off by 1 to 3 otherwise), the Checker's verdict right 70 % of the time, and a retry
-after a "No." right as often as a first answer.
+template (drmas.teams.program.chat.plain_chat): most are the Solver answering right (the
+tiny model's own mistakes supply the wrong answers RL needs), the rest the Checker judging
+an answer that is right half the time, its verdict right 80 % of the time.
 """
 
 import random
@@ -21,9 +21,8 @@ SOLVE, CHECK = "Solve.", "Check."
 
 @dataclass(frozen=True)
 class Spec:
-    solver_right: float = 0.7
-    checker_right: float = 0.7
-    kinds: tuple[float, float, float] = (0.6, 0.3, 0.1)  # solver, checker, retry
+    checker_right: float = 0.8
+    kinds: tuple[float, float] = (0.85, 0.15)  # solver, checker
     seed: int = 0
 
 
@@ -31,33 +30,27 @@ SPEC = Spec()
 QUESTIONS = ArithmeticSpec()  # the arithmetic task source's questions, held-out ones excluded
 
 
-def _answer(rng, gold, right):
-    if rng.random() < right:
-        return gold
+def _wrong(rng, gold):
     return str(int(gold) + rng.randint(1, 3) * rng.choice((-1, 1)))
 
 
 def transcript(rng, kind):
     question, gold = arithmetic_question(rng, QUESTIONS)
-    solver = [{"role": "system", "content": SOLVE}, {"role": "user", "content": question}]
     if kind == 0:
-        return plain_chat(solver), " " + _answer(rng, gold, SPEC.solver_right)
-    if kind == 1:
-        shown = _answer(rng, gold, 0.5)
-        truth = shown == gold
-        verdict = truth if rng.random() < SPEC.checker_right else not truth
-        messages = [
-            {"role": "system", "content": CHECK},
-            {"role": "user", "content": f"{question} = {shown}"},
-        ]
-        return plain_chat(messages), " yes" if verdict else " no"
-    wrong = _answer(rng, gold, 0.0)
-    retry = [*solver, {"role": "assistant", "content": wrong}, {"role": "user", "content": "No."}]
-    return plain_chat(retry), " " + _answer(rng, gold, SPEC.solver_right)
+        solver = [{"role": "system", "content": SOLVE}, {"role": "user", "content": question}]
+        return plain_chat(solver), " " + gold
+    shown = gold if rng.random() < 0.5 else _wrong(rng, gold)
+    truth = shown == gold
+    verdict = truth if rng.random() < SPEC.checker_right else not truth
+    messages = [
+        {"role": "system", "content": CHECK},
+        {"role": "user", "content": f"{question} = {shown}"},
+    ]
+    return plain_chat(messages), " yes" if verdict else " no"
 
 
 def draw(rng, n, progress=0.0):
-    kind = rng.choices(range(3), weights=SPEC.kinds)[0]
+    kind = rng.choices(range(2), weights=SPEC.kinds)[0]
     return [transcript(rng, kind) for _ in range(n)]
 
 
