@@ -2,8 +2,9 @@
 drmas, and the same function runs against any OpenAI-compatible server.
 
 The Solver answers an arithmetic question and the Checker judges the answer; the team gives
-an answer only when the Checker approves it. The team is paid for a right answer it gave,
-the Checker for a verdict that matches the truth.
+an answer only when the Checker approves it. The team scores a right answer it gave; each
+agent is paid for its own job: the Solver for a right answer, the Checker for a verdict
+that matches the truth.
 
     drmas train --config examples/openai_team/config.yaml
 """
@@ -39,6 +40,6 @@ async def episode(client, task):
     right = number(first) == task.answer
     return {
         "reward": float(right and approved),
-        "rewards": {"checker": float(approved == right)},
+        "rewards": {"solver": float(right), "checker": float(approved == right)},
         "metrics": {"approved": float(approved), "solver_right": float(right)},
     }
