@@ -216,6 +216,7 @@ class Actor:
         inbox.clear()
         inbox.extend(shutdowns)
         self.client.hello("actor", self.models, timeout_s=REQUEST_TIMEOUT_S)
+        self.id = self.client.client_id  # another name when its own is still held
         fresh = [m for m in inbox if not is_unknown_client(m)]
         inbox.clear()
         inbox.extend(fresh)

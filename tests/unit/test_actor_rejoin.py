@@ -78,3 +78,32 @@ def test_a_dropped_actor_says_hello_once_and_keeps_a_shutdown(serving: BrokerSer
         assert actor.stopping == "broker: the run is over"
     finally:
         actor.client.close()
+
+
+def test_an_actor_welcomed_under_a_new_name_speaks_under_it(tmp_path: Path) -> None:
+    """Its connection replaced while its registration is still fresh (the broker shut it
+    at a host's cap, say), the actor is unknown on the new one, says Hello again and is
+    welcomed as `<name>~<n>` (the old registration still holds its name). It must then
+    speak as that: under its old name every message was refused and it said Hello again
+    without end (seen in a whole run beside 256 idle actor connections)."""
+    with serving_broker(tmp_path, "broker.heartbeat_timeout_s=30") as serving:
+        cfg = dataclasses.replace(
+            serving.cfg, broker=dataclasses.replace(serving.cfg.broker, address=serving.address)
+        )
+        actor = Actor(cfg, "moved-actor")
+        counters = serving.state.counters
+        try:
+            actor.client.hello("actor", actor.models, timeout_s=20)
+            actor.id = actor.client.client_id
+            actor.client.sock.disconnect(serving.address)  # a new connection, a new routing id
+            actor.client.sock.connect(serving.address)
+            assert asyncio.run(actor.ask_for_leases(1)) == 1.0  # unknown there: Hello again
+            assert actor.id == actor.client.client_id != "moved-actor"  # moved-actor~<n>
+            refused = sum(v for k, v in counters.items() if k.startswith("refused/"))
+            seen = serving.state.table.actors[actor.id].last_seen
+            actor.client.send(Heartbeat(actor.id, actor.versions()))  # heard, as itself
+            wait_until(lambda: serving.state.table.actors[actor.id].last_seen > seen, "unheard")
+            assert sum(v for k, v in counters.items() if k.startswith("refused/")) == refused
+            assert counters["actors_joined"] == 2 and actor.id in serving.state.table.actors
+        finally:
+            actor.client.close()
