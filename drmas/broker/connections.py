@@ -159,19 +159,26 @@ class ConnectionCap:
             self.watch.accepted(fd)
 
     def _make_room(self, host: str) -> bool:
-        """`host` is at max_per_host: shut its actor connection that holds no lease and has
-        been silent longest (`idle_rank`) so the newcomer, which may be the run's own
+        """`host` is at max_per_host: shut its oldest connection that has said no Hello
+        for over UNWELCOMED_GRACE_S, else its actor connection that holds no lease and has
+        been silent longest (`idle_rank`), so the newcomer, which may be the run's own
         learner, gets in (True); False when none is such. 256 actor connections from one
-        host used to keep the run's learner out (an honest actor shut so says Hello again)."""
-        ranked = [
-            (rank, fd)
-            for fd, h in self.open.items()
-            if h == host and fd not in self.evicted and (rank := self.idle_rank(fd)) is not None
-        ]
+        host used to keep the run's learner out (an honest actor shut so says Hello again),
+        and once they were dropped their reconnections kept only the honest actor to shut."""
+        now = time.monotonic()
+        ranked: list[tuple[tuple[int, float], int]] = []  # ((0 mute | 1 idle, since), fd)
+        for fd, h in self.open.items():
+            if h != host or fd in self.evicted:
+                continue
+            opened = self.opened_at.get(fd, now)
+            if not self.welcomed(fd) and now - opened > UNWELCOMED_GRACE_S:
+                ranked.append(((0, opened), fd))
+            elif (rank := self.idle_rank(fd)) is not None:
+                ranked.append(((1, rank), fd))
         if not ranked:
             return False
-        _, fd = min(ranked)
-        self.counters["dropped/host_cap_idle"] += 1
+        (kind, _), fd = min(ranked)
+        self.counters["dropped/host_cap_unwelcomed" if kind == 0 else "dropped/host_cap_idle"] += 1
         self.shut(fd)
         self.evicted.add(fd)
         self.per_host[host] -= 1  # counted free now; `_gone` must not free it twice

@@ -256,6 +256,18 @@ class Intake:
     def _gone(self, fd: int) -> None:
         self.identity_at.pop(fd, None)
 
+    def close_forgotten(self, identities: list[bytes]) -> None:
+        """Shut the connections of clients the broker no longer knows (dropped as lost or
+        for missed joins, or gone): silent, they would hold their host's connection slots
+        while no longer evictable as idle actors, and the host cap would then shut the
+        run's own honest actor. A live client reconnects and says Hello again."""
+        if not identities:
+            return
+        forgotten = set(identities)
+        for fd in [fd for fd, identity in self.identity_at.items() if identity in forgotten]:
+            self.counters["dropped/forgotten_client"] += 1
+            self.connections.shut(fd)
+
     def _welcomed(self, fd: int) -> bool:
         """Whether connection `fd`'s messages named a registered client."""
         identity = self.identity_at.get(fd)

@@ -33,6 +33,7 @@ from drmas.protocol.messages import Hello
 class Route:
     identity: bytes  # the connection's ZeroMQ routing id
     key: str  # its CURVE key (z85), "" without CURVE
+    role: str = ""  # what its Hello said it is (actor, learner, client)
 
 
 class Routes:
@@ -79,7 +80,7 @@ class Routes:
             n += 1
         return f"{name}~{n}"
 
-    def bind(self, name: str, identity: bytes, key: str) -> None:
+    def bind(self, name: str, identity: bytes, key: str, role: str = "") -> None:
         """`identity` now speaks for `name` (its Hello was welcomed); a connection that did
         before no longer does, and this connection's previous name, if any, is let go."""
         old = self.by_name.pop(name, None)
@@ -88,7 +89,7 @@ class Routes:
         previous = self.by_identity.pop(identity, None)
         if previous is not None and previous != name:
             self.by_name.pop(previous, None)
-        self.by_name[name] = Route(identity, key)
+        self.by_name[name] = Route(identity, key, role)
         self.by_identity[identity] = name
 
     def forget(self, identity: bytes) -> None:
@@ -97,11 +98,17 @@ class Routes:
         if name is not None:
             self.by_name.pop(name, None)
 
-    def prune(self, registered: Callable[[str], bool]) -> None:
-        """Forget the routes of names no longer registered (dropped, timed out, left)."""
+    def prune(self, registered: Callable[[str], bool]) -> list[bytes]:
+        """Forget the routes of names no longer registered (dropped, timed out, left);
+        returns the routing ids of those that were actors or learners (the broker shuts
+        their connections; an observer is never registered and keeps its connection)."""
+        gone = []
         for name in [n for n in self.by_name if not registered(n)]:
             route = self.by_name.pop(name)
             self.by_identity.pop(route.identity, None)
+            if route.role in ("actor", "learner"):
+                gone.append(route.identity)
+        return gone
 
     def hello_name(
         self,

@@ -175,7 +175,8 @@ class BrokerServer:
                 if now - last_reap > 0.5:
                     started = time.thread_time()
                     self.state.reap(now)
-                    self.routes.prune(lambda cid: self.state.last_seen(cid) is not None)
+                    gone = self.routes.prune(lambda cid: self.state.last_seen(cid) is not None)
+                    self.intake.close_forgotten(gone)
                     self.intake.tick(now)
                     self.flush_samples()
                     self.cpu.add("reap", time.thread_time() - started)
@@ -398,7 +399,7 @@ class BrokerServer:
         """A Hello the gate admitted (the connection now speaks for `cid`), or a status
         request, answered over the connection it came on."""
         if isinstance(msg, Hello):
-            self.routes.bind(cid, identity, key)
+            self.routes.bind(cid, identity, key, msg.role)
             self.on_hello(cid, msg, now)
             return
         refusal = self.intake.allow_status(identity)

@@ -376,3 +376,49 @@ def test_at_the_host_cap_an_idle_actor_makes_room_for_the_learner(tmp_path: Path
         finally:
             for c in [*actors, learner]:
                 c.close()
+
+
+def test_the_connections_of_dropped_actors_are_shut_so_the_cap_never_takes_the_honest_one(
+    tmp_path: Path,
+) -> None:
+    """Actors that said Hello and went silent were dropped as lost but kept their
+    connections: no longer actors, they were not idle actors the cap could shut, so at
+    the host's cap the only one it could shut was the run's own honest actor (seen in a
+    whole run beside 256 such connections: the run never finished). The broker now shuts
+    a dropped client's connection; an observer's stays."""
+    from drmas.protocol.messages import Heartbeat, Welcome
+    from drmas.transports.channel import BrokerClient
+    from tests.fixtures.broker_server import serving_broker
+
+    def wait(check, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not check():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    with serving_broker(
+        tmp_path, "broker.max_connections_per_host=5", "broker.heartbeat_timeout_s=1",
+        "broker.heartbeat_interval_s=0.2",
+    ) as srv:  # fmt: skip
+        silent = [BrokerClient(srv.address, f"silent-{i}") for i in range(3)]
+        honest = BrokerClient(srv.address, "honest")
+        observer = BrokerClient(srv.address, "observer")
+        counters = srv.state.counters
+        try:
+            assert isinstance(observer.hello("client", [], timeout_s=30), Welcome)
+            for c in [*silent, honest]:
+                assert isinstance(c.hello("actor", ["solver", "verifier"], timeout_s=30), Welcome)
+            # the silent ones are dropped as lost and their connections shut; honest beats
+            wait(lambda: (honest.send(Heartbeat("honest")), time.sleep(0.2))
+                 and counters["dropped/forgotten_client"] >= 3, "the silent were never shut")  # fmt: skip
+            assert counters["dropped/forgotten_client"] == 3  # not the observer's
+            learner = BrokerClient(srv.address, "learner-solver-0")
+            try:  # room at the cap without shutting the honest actor
+                welcome = learner.hello("learner", ["solver"], timeout_s=30, rank=0, world_size=1)
+                assert isinstance(welcome, Welcome)
+            finally:
+                learner.close()
+            assert counters["dropped/host_cap_idle"] == 0 and "honest" in srv.state.table.actors
+        finally:
+            for c in [*silent, honest, observer]:
+                c.close()
