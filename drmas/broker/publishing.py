@@ -134,6 +134,9 @@ class WeightPublishing:
         # of: it may still be receiving (a broadcast that failed ends at its timeout), so
         # it is not planned into another publish until it reports (or the bound passes)
         self.joining: dict[tuple[str, str], float] = {}
+        # (actor, model) -> (version, digest) of an ok that came while the publish was still
+        # going: taken at its PublishDone, once the roll call says whether it checked in
+        self.early_oks: dict[tuple[str, str], tuple[int, str]] = {}
 
     def stale_actors(self, model: str, version: int, now: float) -> list[str]:
         """Actors holding weights older than `version` while no publish of `model` is in
@@ -264,6 +267,9 @@ class WeightPublishing:
         if not ok or left_out:  # a group of other members formed: the next one is new
             self.forget_group(model)
         self._left_out(model, version, left_out)
+        for key in [k for k in self.early_oks if k[1] == model]:
+            early_version, early_digest = self.early_oks.pop(key)
+            self.loaded(key[0], model, early_version, True, early_digest)
         present = [m for m in self.members.get(model, []) if m not in left_out]
         if not ok:
             self._failed_group(model, version, present)
@@ -365,6 +371,11 @@ class WeightPublishing:
         digest: str = "",
         now: float | None = None,
     ) -> None:
+        if ok and model in self.in_flight and (client_id, model) in self.joining:
+            # before PublishDone says who checked in at the roll call: an actor left out
+            # must not be taken as loaded (it never received a byte)
+            self.early_oks[(client_id, model)] = (version, digest)
+            return
         joined = self.joining.pop((client_id, model), None) is not None
         if ok and not joined:  # left out of the roll call, or never sent a join: not loaded
             self.counters["weight_loads_unexpected"] += 1

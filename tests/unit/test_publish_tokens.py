@@ -96,7 +96,8 @@ def test_an_actor_whose_loads_keep_failing_is_re_published_with_a_growing_back_o
     # a load that succeeds (of a re-publish it was sent) clears its count
     plan, _ = pub.plan("solver", 2, "h:1", now=1002.0)
     assert plan.members == ["bad"]
-    pub.loaded("bad", "solver", 2, ok=True)
+    pub.loaded("bad", "solver", 2, ok=True)  # taken once the publish is done
+    pub.done("solver", 2, 0.1, ok=True)
     assert ("bad", "solver") not in pub.failed_loads
 
 
@@ -209,3 +210,22 @@ def test_a_member_that_checks_in_and_breaks_the_group_is_found_by_trying_each_al
     assert pub.take_never_joined() == ["fake"]
     assert pub.missed_joins == {"fake": MAX_MISSED_JOINS}  # never an honest actor
     assert pub.actors["a1"].versions["solver"] == pub.actors["a2"].versions["solver"] == 3
+
+
+def test_an_ok_before_the_publish_is_done_waits_for_its_roll_call() -> None:
+    """An actor that never checks in but says it loaded at once, before the learner's
+    PublishDone: it used to be taken as loaded (its version raised, its missed joins
+    cleared), so it was never dropped and every publish waited for it at the roll call.
+    An honest member's early ok is taken when the publish is done."""
+    pub = publishing("a1", "fake")
+    for version in (1, 2, 3):
+        pub.plan("solver", version, "h:1", now=float(version))
+        pub.loaded("a1", "solver", version, ok=True, digest="d")  # honest, and quick
+        pub.loaded("fake", "solver", version, ok=True)  # it never checked in
+        assert pub.actors["a1"].versions.get("solver", 0) == version - 1  # not yet
+        pub.done("solver", version, 0.1, ok=True, digest="d", left_out=["fake"])
+        assert pub.actors["a1"].versions["solver"] == version
+    assert pub.actors["fake"].versions.get("solver", 0) == 0
+    assert pub.counters["weight_loads_unexpected"] == 3
+    assert pub.counters["weight_digest_match"] == 3
+    assert pub.take_never_joined() == ["fake"]
