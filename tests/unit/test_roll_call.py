@@ -64,3 +64,35 @@ def test_the_sender_keeps_the_last_two_roll_calls_keys() -> None:
         assert prefix.check([roll_key(2, "nonce")]) and prefix.check([roll_key(3, "nonce")])
     finally:
         sender.close()
+
+
+def test_a_member_that_checks_in_and_never_joins_fails_the_publish_at_the_rendezvous_bound(
+    monkeypatch,
+) -> None:
+    """It proves the token at the roll call, then never writes its rendezvous entry: rank 0
+    gives up after max(RENDEZVOUS_MIN_S, 2 x join_timeout_s), not weights.timeout_s (each
+    publish waited 60 s for such a member in a whole run)."""
+    import threading
+
+    import drmas.transports.weights.sender as sender_module
+    from drmas.config.transport import WeightSyncConfig
+    from drmas.transports.weights import WeightSender, WeightSyncTimeout
+
+    monkeypatch.setattr(sender_module, "RENDEZVOUS_MIN_S", 0.5)
+    cfg = WeightSyncConfig(host="127.0.0.1", timeout_s=TIMEOUT_S, join_timeout_s=0.1)
+    sender = WeightSender(cfg)
+    client = dist.TCPStore("127.0.0.1", sender.store.port, is_master=False,
+                           timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    checked_in = threading.Thread(
+        target=answer_roll,
+        args=(dist.PrefixStore("g", client), "g", 1, TOKEN, 1, 30.0),
+        daemon=True,
+    )
+    checked_in.start()
+    try:
+        # the store's own words: it waited the rendezvous bound (0.5 s), not TIMEOUT_S
+        with pytest.raises(WeightSyncTimeout, match=r"rendezvous failed.*wait timeout after 500ms"):
+            sender.publish("g", 2, [], TIMEOUT_S, specs=[], token=TOKEN, version=1)
+    finally:
+        checked_in.join(30)
+        sender.close()

@@ -106,14 +106,25 @@ class Group:
     and what it delivers is checked against the digest as always."""
 
     def __init__(
-        self, where: Where, store: dist.Store, backend: str, device: torch.device, token: str = ""
+        self,
+        where: Where,
+        store: dist.Store,
+        backend: str,
+        device: torch.device,
+        token: str = "",
+        rendezvous_s: float = 0.0,
     ) -> None:
+        """`rendezvous_s` (> 0, with a token): how long the rendezvous and the token proofs
+        wait for a peer's entry, when shorter than the group's timeout (rank 0 after a
+        roll call: every member checked in and forms the group at once, so one that does
+        not is not coming)."""
         self.where = where
         self.device = device
         self.star = backend == "gloo"
         self._tag = 0  # p2p tag of the next star "broadcast", the same count on every rank
         if token:  # every rendezvous entry signed: a store client cannot take a rank
-            store = SignedStore(store, token, where.group, where.timeout)
+            wait = min(rendezvous_s, where.timeout_s) if rendezvous_s > 0 else where.timeout_s
+            store = SignedStore(store, token, where.group, datetime.timedelta(seconds=wait))
         self.store = store  # the token proofs go through it (authenticate)
         with where.phase("rendezvous"):
             self.pg: Any = make_pg(

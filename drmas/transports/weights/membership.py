@@ -29,8 +29,8 @@ class SignedStore(dist.Store):
     it) and so take that rank, and then crash the ranks it exchanges data with (gloo
     aborts a process that receives a message of the wrong size). Here an entry without
     the signature is never used: `get` waits until the key holds a signed value (a
-    member's write replaces the client's), up to the group's timeout, and then fails the
-    rendezvous with WeightSyncError. The publish fails; no rank does."""
+    member's write replaces the client's), up to `timeout`, and then fails the rendezvous
+    (WeightSyncError, or the store's timeout). The publish fails; no rank does."""
 
     def __init__(self, inner: dist.Store, token: str, group: str, timeout: timedelta) -> None:
         super().__init__()
@@ -48,7 +48,11 @@ class SignedStore(dist.Store):
     def get(self, key: str) -> bytes:
         deadline = time.monotonic() + self.timeout_.total_seconds()
         while True:
-            raw = bytes(self.inner.get(key))  # waits for the key, up to the store's timeout
+            # this store's timeout, not the inner store's (the run's weights.timeout_s): a
+            # member that checked in and never writes its entry fails the rendezvous soon
+            left = max(deadline - time.monotonic(), 0.001)
+            self.inner.wait([key], timedelta(seconds=left))
+            raw = bytes(self.inner.get(key))
             value, signature = raw[:-32], raw[-32:]
             if len(raw) >= 32 and hmac.compare_digest(signature, self._signature(key, value)):
                 return value
@@ -68,7 +72,9 @@ class SignedStore(dist.Store):
         return bool(self.inner.check(keys))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self.inner.wait(keys, timeout or self.timeout_)
+        """At most this store's timeout, whatever the caller asks (gloo's rendezvous asks
+        for the process group's)."""
+        self.inner.wait(keys, min(timeout or self.timeout_, self.timeout_))
 
     def delete_key(self, key: str) -> bool:
         return bool(self.inner.delete_key(key))

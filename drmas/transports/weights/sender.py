@@ -55,6 +55,12 @@ from drmas.transports.weights.membership import call_roll, roll_key, roster_grou
 
 log = logging.getLogger("drmas.weights")
 
+RENDEZVOUS_MIN_S = 10.0
+"""After a roll call, rank 0 waits at most max(this, 2 x weights.join_timeout_s) for the
+members' rendezvous entries (not weights.timeout_s): each member checked in and forms the
+group as soon as it reads the roster, so one that has not written its entry by then
+never will (a member that checks in and never joins cost every publish 60 s)."""
+
 
 @dataclass
 class PublishStats:
@@ -124,7 +130,8 @@ class WeightSender:
             self._retired.release()  # before the new rendezvous: at most one group at a time
         store = dist.PrefixStore(name, self.store)
         store.set("backend", self.backend)
-        return Group(where, store, self.backend, self.device, token), False
+        rendezvous_s = max(RENDEZVOUS_MIN_S, 2 * self.cfg.join_timeout_s)
+        return Group(where, store, self.backend, self.device, token, rendezvous_s), False
 
     def publish(
         self,
