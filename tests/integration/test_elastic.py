@@ -71,6 +71,7 @@ def test_an_actor_attached_mid_run_gets_weights_before_leases() -> None:
     plan, joins = st.weights.plan("solver", 2, "127.0.0.1:1", now=0.0)
     assert "late" in plan.members and "late" in [cid for cid, _ in joins]
     st.weights.loaded("late", "solver", 2, ok=True)
+    st.weights.done("solver", 2, 0.1, ok=True)  # its PublishDone: the ok is taken now
     # ... and only once the actor holds v2 does it get leases
     assert st.lease("late", 1, {"solver": 2, "verifier": 0}, 0.0).leases
     assert st.counters["actors_synced_on_attach"] == 1
