@@ -339,6 +339,10 @@ class BrokerState:
         if rank == 0:
             self.versions[model] = max(self.versions[model], version)
         if version >= self.cfg.train.steps:
+            if not self.done:  # the final validation needs these weights on every actor
+                stale = rank == 0 and bool(self.weights.stale_actors(model, version, now))
+                why = "train.steps reached; the run's final validation is still going"
+                return NoBatch(retry_after_s=0.2, reason=why, republish=stale)
             return NoBatch(retry_after_s=0.0, reason="train.steps reached", done=True)
         buf = self.buffers[model]
         if version not in buf.cut:

@@ -123,6 +123,8 @@ class Learner:
                 self.publish()
                 if self.cfg.checkpoint.every and self.version % self.cfg.checkpoint.every == 0:
                     self.save_checkpoint()
+            if self.version >= self.cfg.train.steps:  # until the run is done: an actor that
+                self.next_shard()  # missed the last publish gets it again (final validation)
             self.finish()
         except BrokerRefused as exc:
             if exc.code != "unknown_client":

@@ -509,3 +509,20 @@ def test_balance_calls_weights_each_sample_by_its_agents_calls_in_its_group():
         weights = sorted(s.loss_weight for s in batch.samples)
         assert weights == pytest.approx(sorted(expected))
         assert sum(weights) == pytest.approx(len(weights))
+
+
+def test_a_learner_past_its_last_step_re_publishes_until_the_final_validation_is_done() -> None:
+    """An actor that missed the last publish could never run the final validation: the
+    learners had left, nobody re-published, and the run waited for ever (seen beside a
+    member that broke its group). Until the run is done, a learner past train.steps is
+    told to re-publish to actors behind, not that training is over."""
+    st = make_state("train.steps=2", "val.every=2")
+    st.add_actor("a", "h", 1, ["solver", "verifier"], 0.0)
+    st.versions.update(solver=2, verifier=2)
+    reply = st.batch("solver", 0, 1, 2, now=100.0)
+    assert isinstance(reply, NoBatch) and not reply.done and reply.republish  # "a" is at v0
+    st.validation.scheduled.add(2)  # the final round ran and closed
+    st.validation.rounds.clear()
+    assert st.done
+    reply = st.batch("solver", 0, 1, 2, now=100.0)
+    assert isinstance(reply, NoBatch) and reply.done
