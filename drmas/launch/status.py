@@ -141,17 +141,17 @@ def ask_status(
             file=sys.stderr,
         )
         return 2
+    # a plain client at a CURVE broker times out, or sees its connection closed three times
+    # (how soon depends on the machine's speed): either way, the way out is --keys
+    hint = "" if keys_dir else " (a broker with security.curve=true answers only with --keys DIR)"
     try:
         # closed at once (a connection cap) is said so, not left to time out
         return client.request(StatusRequest(), StatusReply, timeout_s, max_closes=HELLO_CLOSES)
     except BrokerUnavailable as exc:
-        hint = (
-            "" if keys_dir else " (a broker with security.curve=true answers only with --keys DIR)"
-        )
         print(f"drmas status: {exc}{hint}", file=sys.stderr)
         return 1
     except BrokerRefused as exc:  # e.g. closed at a connection cap, with which one
-        print(f"drmas status: {exc}", file=sys.stderr)
+        print(f"drmas status: {exc}{hint if exc.code == 'closed' else ''}", file=sys.stderr)
         return 1
     finally:
         client.close()
