@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from drmas.config.transport import WeightSyncConfig
-from drmas.transports.digest import Digest
+from drmas.transports.digest import Digest, hashing
 from drmas.transports.weights.group import (
     Buffers,
     Group,
@@ -172,14 +172,19 @@ class WeightSender:
         if world_size == 1:  # nobody checked in
             return PublishStats(time.monotonic() - start, 0, 0, False, left_out)
         group, reused = self._group(name, Where(name, 0, world_size, timeout_s, who), token)
+        own = Digest() if header.digest and digest is None else None
+        if own is not None:
+            named_tensors = hashing(iter(named_tensors), own)
         try:
             if token:
                 group.authenticate(token)
             length, payload = encode_header(header, self.device)
             group.broadcast(length, "header length")
             group.broadcast(payload, "header")
-            sent = self._stream(group, header, buckets, named_tensors, digest)
+            sent = self._stream(group, header, buckets, named_tensors, digest or own)
         except BaseException:
+            if own is not None:
+                own.wait()  # a failed send leaves no hashing thread behind
             group.close(ok=False)
             self._live = None
             self._buffers.reset()
@@ -247,19 +252,16 @@ class WeightSender:
         fed: Digest | None = None,
     ) -> int:
         """Copy tensors into their buckets as they arrive; send each bucket once complete;
-        then the digest trailer (drawn from `fed` when the caller hashes the stream)."""
+        then the digest trailer, drawn from `fed` (it hashed every tensor as they streamed)."""
         specs = header.tensors
         where = {i: (b, off) for b, bucket in enumerate(buckets) for i, off, _ in bucket.members}
         pipeline = Pipeline(group, lambda t: self._buffers.give(t, header.bucket_bytes))
         filling: dict[int, torch.Tensor] = {}
-        digest = Digest() if header.digest and fed is None else None
         next_bucket, sent, count = 0, 0, 0
         for i, (name, tensor) in enumerate(named_tensors):
             if i >= len(specs) or spec_of(name, tensor) != specs[i]:
                 got = spec_of(name, tensor)
                 raise WeightSyncError(f"tensor {i} is {got}, header said {specs[i : i + 1]}")
-            if digest is not None:
-                digest.submit(name, tensor)
             b, offset = where[i]
             bucket = buckets[b]
             flat = tensor.detach().reshape(-1).to(self.device)
@@ -280,7 +282,7 @@ class WeightSender:
         if count != len(specs):
             raise WeightSyncError(f"got {count} tensors, header announced {len(specs)}")
         if header.digest:
-            value = digest.hexdigest() if digest is not None else ""
+            value = ""
             if fed is not None:
                 try:
                     value = fed.hexdigest_of(spec.name for spec in specs)
