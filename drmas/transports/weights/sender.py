@@ -147,17 +147,14 @@ class WeightSender:
         version: int = 0,
     ) -> PublishStats:
         """Broadcast `named_tensors` to ranks 1..world_size-1 of group `group_name` (the
-        previous publish's group when the name is the same, else a new one; kept if it
-        went through, aborted on WeightSyncTimeout/WeightSyncError).
-        `specs` (name, shape, dtype of every tensor, in order) lets the header go out before
-        the first tensor is gathered; without it the tensors are materialised first.
-        `token`: the group's token from the broker's plan: the roll call of `version`'s
-        publish picks the members that prove they hold it in time (the others are left out,
-        `PublishStats.left_out`), and every rank of the group proves it again before the
-        header goes out ("" = neither, a broker that hands out none).
-        With weights.verify_digest a digest of every byte sent follows the last bucket;
-        `digest`, a Digest the caller fills with each tensor as it streams
-        (drmas.transports.digest.hashing), spares hashing them a second time."""
+        previous publish's group if the name is the same, else a new one; kept if it went
+        through, aborted on WeightSyncTimeout/WeightSyncError). `specs` (name, shape, dtype
+        of each tensor, in order) lets the header go out before the first tensor is
+        gathered. `token`, from the broker's plan: the roll call of `version`'s publish
+        picks the members that prove they hold it in time (the others: `left_out`), and
+        each rank proves it again before the header ("" = neither). With
+        weights.verify_digest a digest of every byte sent follows the last bucket: `digest`,
+        if the caller hashes the stream (digest.hashing), else one of its own."""
         self.release()
         start = time.monotonic()
         if specs is None:
@@ -173,8 +170,7 @@ class WeightSender:
             return PublishStats(time.monotonic() - start, 0, 0, False, left_out)
         group, reused = self._group(name, Where(name, 0, world_size, timeout_s, who), token)
         own = Digest() if header.digest and digest is None else None
-        if own is not None:
-            named_tensors = hashing(iter(named_tensors), own)
+        named_tensors = hashing(iter(named_tensors), own) if own else named_tensors
         try:
             if token:
                 group.authenticate(token)
