@@ -53,8 +53,15 @@ group, or left it) cannot say which member broke it. The members that checked in
 suspects, and the model's next re-publishes go to one suspect at a time: the honest ones
 load, and one that fails even a group of its own is counted as a missed join (dropped
 after MAX_MISSED_JOINS), so no honest actor is counted and the run keeps publishing. A
-member of a publish that succeeds is a suspect no more. Each new version still goes to
-every actor at once (so a culprit costs one failed publish per version until dropped).
+member of a publish that succeeds is a suspect no more.
+
+An actor on probation (one that missed a publish, by never checking in or by breaking a
+group of its own, and has loaded nothing since) is left out of each new version's publish and gets it by a re-publish of its own,
+so a culprit costs at most the one full publish it broke, never the next versions'. One
+dropped for missing MAX_MISSED_JOINS publishes that says Hello again (its count kept) gets
+no re-publish until a back-off has passed (weights.timeout_s, doubling with every further
+miss) and no lease until it loads: a fake actor that rejoins each time it is dropped costs
+its learners one join timeout per back-off, not one per publish.
 
 Bounded: digests are kept for the last three versions of each model only.
 """
@@ -129,6 +136,7 @@ class WeightPublishing:
         # model -> members of a failed publish not yet tried alone (`_failed_group`)
         self.suspects: dict[str, list[str]] = {}
         self.missed_joins: collections.Counter[str] = collections.Counter()  # in a row
+        self.missed_at: dict[str, float] = {}  # name -> time of its last miss
         self.never_joined: list[str] = []  # reached MAX_MISSED_JOINS: for the state to drop
         # (actor, model) -> when it was sent a join it has neither loaded nor been left out
         # of: it may still be receiving (a broadcast that failed ends at its timeout), so
@@ -150,7 +158,29 @@ class WeightPublishing:
             and a.versions.get(model, 0) < version
             and not self._busy(a.client_id, model, now)  # still loading: not stale (yet)
             and self._may_retry(a.client_id, model, version, now)
+            and self._may_rejoin(a.client_id, now)
         )
+
+    def _on_probation(self, client_id: str) -> bool:
+        """Missed a publish (never checked in, or broke a group of its own) and loaded
+        nothing since: a new version goes to it by a re-publish, never in the full publish
+        the other actors wait on. (A mere suspect is not: a publish that failed for a
+        passing reason must not turn every next version into one publish per actor.)"""
+        return self.missed_joins[client_id] > 0
+
+    def _may_rejoin(self, client_id: str, now: float) -> bool:
+        """False while an actor dropped for missing MAX_MISSED_JOINS publishes (and
+        welcomed again) waits out its back-off: weights.timeout_s after its last miss,
+        doubling with each further one."""
+        backoff = self.rejoin_backoff_s(client_id)
+        return backoff == 0.0 or now >= self.missed_at.get(client_id, 0.0) + backoff
+
+    def rejoin_backoff_s(self, client_id: str) -> float:
+        missed = self.missed_joins[client_id]
+        if missed < MAX_MISSED_JOINS:
+            return 0.0
+        steps = min(missed - MAX_MISSED_JOINS, MAX_BACKOFF_STEPS)
+        return self.cfg.weights.timeout_s * 2**steps
 
     def reload_backoff_s(self, failures: int) -> float:
         """How long after its last failed load an actor waits for its next re-publish of
@@ -187,7 +217,9 @@ class WeightPublishing:
             members = self._one_suspect(model, self.stale_actors(model, version, now))
             self.counters["weight_republishes"] += 1
         else:
-            members = sorted(a.client_id for a in self.actors.values() if model in a.models)
+            serving = sorted(a.client_id for a in self.actors.values() if model in a.models)
+            members = [cid for cid in serving if not self._on_probation(cid)]
+            self.counters["weight_joins_on_probation"] += len(serving) - len(members)
             full = True
         busy = [cid for cid in members if self._busy(cid, model, now)]
         if busy:
@@ -259,20 +291,22 @@ class WeightPublishing:
         digest: str = "",
         sent_bytes: int = 0,
         left_out: Sequence[str] = (),
+        now: float | None = None,
     ) -> None:
         """The learner's publish of `version` ended (PublishDone; or a plan without members).
         `left_out`: members that did not check in at its roll call (see `_left_out`)."""
+        now = time.monotonic() if now is None else now
         self.counters["weight_publishes" if ok else "weight_publishes_failed"] += 1
         self.in_flight.pop(model, None)
         if not ok or left_out:  # a group of other members formed: the next one is new
             self.forget_group(model)
-        self._left_out(model, version, left_out)
+        self._left_out(model, version, left_out, now)
         for key in [k for k in self.early_oks if k[1] == model]:
             early_version, early_digest = self.early_oks.pop(key)
             self.loaded(key[0], model, early_version, True, early_digest)
         present = [m for m in self.members.get(model, []) if m not in left_out]
         if not ok:
-            self._failed_group(model, version, present)
+            self._failed_group(model, version, present, now)
         elif model in self.suspects:  # in a group that worked: not the one that breaks them
             self.suspects[model] = [c for c in self.suspects[model] if c not in present]
         if ok and digest:
@@ -287,14 +321,14 @@ class WeightPublishing:
                 values[f"publish_adapters/{model}"] = float(self.carried[model])
             self.metrics.report(version, model, "publish", values, dict(self.counters))
 
-    def _failed_group(self, model: str, version: int, present: list[str]) -> None:
+    def _failed_group(self, model: str, version: int, present: list[str], now: float) -> None:
         """A publish failed after its roll call: one of the members that checked in may have
         broken it (checked in, then never joined the group). Alone in the group, that
         member is the one: its miss is counted as a missed join. With several, each is
         tried alone in the next re-publishes (`_one_suspect`), so the one that breaks its
         own group is found and the others load; none is counted before."""
         if len(present) == 1:
-            self._missed(present[0], version, "made its own group fail")
+            self._missed(present[0], version, "made its own group fail", now)
         elif present:
             self.suspects[model] = sorted(set(self.suspects.get(model, [])) | set(present))
 
@@ -319,22 +353,23 @@ class WeightPublishing:
         bound = self.cfg.weights.timeout_s + self.cfg.weights.join_timeout_s
         return at is not None and now - at < bound
 
-    def _left_out(self, model: str, version: int, left_out: Sequence[str]) -> None:
+    def _left_out(self, model: str, version: int, left_out: Sequence[str], now: float) -> None:
         """Members that missed a publish's roll call are behind: re-published to like an
         actor whose load failed (with its back-off), and dropped after MAX_MISSED_JOINS
         publishes in a row (collected in `never_joined` for BrokerState.drop_actor)."""
-        now = time.monotonic()
         for client_id in left_out:
             self.joining.pop((client_id, model), None)  # it never checked in: not receiving
             if client_id not in self.actors:
                 continue  # it said Goodbye or was dropped meanwhile
             self.counters["weight_joins_missed"] += 1
             self._failed(client_id, model, version, now)
-            self._missed(client_id, version, "never checked in within weights.join_timeout_s")
+            how = "never checked in within weights.join_timeout_s"
+            self._missed(client_id, version, how, now)
 
-    def _missed(self, client_id: str, version: int, how: str) -> None:
+    def _missed(self, client_id: str, version: int, how: str, now: float) -> None:
         """One more publish in a row the actor missed; at MAX_MISSED_JOINS it is dropped."""
         self.missed_joins[client_id] += 1
+        self.missed_at[client_id] = now
         self._bound_missed_joins()
         if self.missed_joins[client_id] >= MAX_MISSED_JOINS:
             log.error(
@@ -361,6 +396,7 @@ class WeightPublishing:
         )
         for name in gone[: len(self.missed_joins) - MAX_TRACKED]:
             del self.missed_joins[name]
+            self.missed_at.pop(name, None)
 
     def loaded(
         self,
@@ -389,6 +425,7 @@ class WeightPublishing:
         else:
             self.failed_loads.pop((client_id, model), None)
             self.missed_joins.pop(client_id, None)
+            self.missed_at.pop(client_id, None)
         self.counters["weight_loads" if ok else "weight_loads_failed"] += 1
         if ok and digest and version >= self._oldest_compared(model):
             self.loaded_digest.setdefault((model, version), {})[client_id] = digest

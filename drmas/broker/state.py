@@ -230,6 +230,13 @@ class BrokerState:
         waiting = self.admission.attach_wait(actor)
         if waiting:
             return Leases(leases=[], retry_after_s=0.2, reason=waiting)
+        if self.weights.rejoin_backoff_s(client_id) > 0:
+            return Leases(
+                leases=[],
+                retry_after_s=1.0,
+                reason="dropped for missing weight publishes: no leases until it loads "
+                "the re-publish it is sent after its back-off",
+            )
         cap = self.cfg.broker.max_leases_per_actor or self.cfg.actor.max_groups
         if len(actor.leases) >= cap:
             self.counters["leases_capped"] += 1

@@ -485,6 +485,21 @@ def test_one_actor_holds_at_most_its_lease_cap_validation_included():
     assert len(wide.lease("a", 1000, {}, 0.0).leases) == 4  # (η + 1) · B binds first
 
 
+def test_an_actor_dropped_for_missed_publishes_and_back_gets_no_lease_until_it_loads():
+    """A hoarder that rejoins each time it is dropped for never joining a publish: welcomed
+    again under its name, it takes no lease (validation included) while it waits out its
+    re-publish back-off, and leases again once it loads a version."""
+    from drmas.broker.publishing import MAX_MISSED_JOINS
+
+    st = make_state("val.every=1", "val.num_tasks=40", "actor.max_groups=3", "train.steps=10")
+    st.add_actor("hoarder", "h", 1, ["solver", "verifier"], 0.0)
+    st.weights.missed_joins["hoarder"], st.weights.missed_at["hoarder"] = MAX_MISSED_JOINS, 0.0
+    refused = st.lease("hoarder", 1000, {}, 0.0)
+    assert refused.leases == [] and "missing weight publishes" in refused.reason
+    st.weights.missed_joins.pop("hoarder")  # what a load that succeeds does
+    assert len(st.lease("hoarder", 1000, {}, 0.0).leases) == 3
+
+
 def test_balance_calls_weights_each_sample_by_its_agents_calls_in_its_group():
     """algorithm.advantage.balance_calls: the solver answers 3 times in group A's two
     episodes and twice in group B's: its samples weigh 1/3 and 1/2, divided by their
