@@ -24,6 +24,7 @@ from drmas.config import load_config
 from drmas.config.model import WarmStartConfig
 from drmas.models.builtin import resolve_model_path
 from drmas.protocol.messages import JoinWeightGroup, LeaseReturn, WeightsLoaded
+from drmas.transports.digest import digest_of
 from drmas.transports.weights import Header, WeightSender, check_covers, spec_of
 from drmas.transports.weights.group import Pipeline
 from drmas.transports.weights.layout import WeightSyncError, expected_of
@@ -186,23 +187,26 @@ def test_a_tampered_publish_rolls_back_sim_and_quarantines_an_in_place_engine(
 
 
 def vllm_receive(
-    sender: WeightSender, join: JoinWeightGroup, state, expected
+    sender: WeightSender, join: JoinWeightGroup, state, expected, packed: bool = False
 ) -> tuple[dict[str, Any], Any]:
     """One DrmasWorkerExtension.drmas_receive_weights in a fake vLLM worker (the mixin on
-    a class with what it needs of vLLM's Worker) while rank 0 publishes `state`."""
+    a class with what it needs of vLLM's Worker) while rank 0 publishes `state`; `packed`:
+    its weight is kept flat, as vLLM on CPU prepacks linear weights (no read-back)."""
     from drmas.actors.engines.vllm_worker import DrmasWorkerExtension
 
     class FakeVllmWorker(DrmasWorkerExtension):
         def __init__(self) -> None:
             self.device = torch.device("cpu")
             self.model = torch.nn.Linear(4, 4, bias=False)
+            if packed:
+                self.model.weight = torch.nn.Parameter(torch.zeros(16))
             self.model_runner = type("Runner", (), {"get_model": lambda _: self.model})()
             self.reloaded: list[str] = []
 
         def reload_weights(self, weights_iterator, is_checkpoint_format: bool) -> None:
             for name, tensor in weights_iterator:
                 self.reloaded.append(name)
-                self.model.weight.data.copy_(tensor)
+                self.model.weight.data.copy_(tensor.reshape(self.model.weight.shape))
 
     def publish() -> None:
         with contextlib.suppress(WeightSyncError):  # the refused cases fail rank 0 too
@@ -231,6 +235,32 @@ def test_vllm_workers_refuse_a_partial_header_and_tampered_bytes(sender, monkeyp
     join = JoinWeightGroup("m", 1, "g-vllm-tamper", sender.store_address, 1, 2, 10.0)
     reply, worker = vllm_receive(sender, join, state, expected_of(state, "weight"))
     assert "digest" in reply["error"] and worker.reloaded == ["weight"]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_vllm_worker_reports_its_fingerprint_without_hashing_what_the_receiver_did(
+    sender, monkeypatch, packed: bool
+) -> None:
+    """The worker's fingerprint of a publish: read back from the model where it can, else
+    (CPU-prepacked weights) the digest the receiver checked against rank 0's, never a
+    second hash of every tensor as it streams into the reload."""
+    import drmas.actors.engines.vllm_worker as worker_module
+
+    hashed: list[str] = []
+
+    class Counting(worker_module.Digest):  # type: ignore[name-defined]
+        def add(self, name: str, tensor: torch.Tensor) -> None:
+            hashed.append(name)
+            super().add(name, tensor)
+
+    monkeypatch.setattr(worker_module, "Digest", Counting)
+    state = [("weight", torch.arange(16.0).reshape(4, 4))]
+    join = JoinWeightGroup("m", 1, f"g-vllm-fp-{packed}", sender.store_address, 1, 2, 10.0)
+    reply, worker = vllm_receive(sender, join, state, expected_of(state, "weight"), packed)
+    assert reply["error"] == "" and worker.reloaded == ["weight"]
+    assert reply["digest"] == digest_of(state)
+    assert reply["digest_source"] == ("received" if packed else "read back")
+    assert hashed == []
 
 
 def test_sglang_and_vllm_engines_expect_the_folders_parameters(model_path) -> None:

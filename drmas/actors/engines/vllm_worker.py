@@ -71,7 +71,7 @@ class DrmasWorkerExtension:
                 for name, tensor in receiver.receive(join, unpack(expected)):
                     shapes[name] = tuple(tensor.shape)
                     nbytes += tensor.numel() * tensor.element_size()
-                    if want_digest:
+                    if want_digest and not receiver.verifying:  # else it hashes them
                         received.add(name, tensor)
                     # The reload path may hold a tensor until its whole layer arrived, and
                     # the receiver reuses the bucket buffer: hand over a copy.
@@ -86,7 +86,8 @@ class DrmasWorkerExtension:
                 if not digest:
                     # CPU GEMM prepacking moves linear weights into opaque handles: then the
                     # digest proves what arrived and went into the reload, not a read-back.
-                    digest, source = received.hexdigest(), "received"
+                    digest = receiver.arrived_digest or received.hexdigest()
+                    source = "received"
                 reply.update(digest=digest, digest_source=source)
         except Exception as exc:
             log.exception("drmas weight receive failed")

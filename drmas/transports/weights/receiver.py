@@ -99,6 +99,10 @@ class WeightReceiver:
         self._buffers = Buffers(self.device)
         # model -> ((group name, store address, rank, world size), group) kept for the next
         self._live: dict[str, tuple[tuple[str, str, int, int], Group]] = {}
+        # of the last receive without `live`: whether it checks rank 0's digest (known
+        # before its first tensor), and the digest it checked (once it ended without error)
+        self.verifying = False
+        self.arrived_digest = ""
 
     def release(self) -> None:
         """Tear down retired groups (~20 ms each, holding the GIL); call it once generation
@@ -219,6 +223,7 @@ class WeightReceiver:
             plan = plan_buckets(header.tensors, header.bucket_bytes)
             pipeline = Pipeline(group, lambda t: None)
             digest = Digest() if header.digest else None
+            self.verifying, self.arrived_digest = digest is not None and live is None, ""
             if plan:
                 self._post(pipeline, plan, 0, cap)
             for b, bucket in enumerate(plan):
@@ -242,6 +247,8 @@ class WeightReceiver:
                 self._buffers.give(flat, cap)
             if digest is not None:
                 self._check_digest(group, digest, live is not None)
+                if live is None:  # what arrived, equal to rank 0's digest of what it sent
+                    self.arrived_digest = digest.hexdigest()
         except BaseException:  # includes GeneratorExit: the caller stopped early
             if digest is not None:
                 digest.wait()  # no hash left reading a buffer or the engine
