@@ -444,6 +444,11 @@ class Gate:
         strangers = sorted(set(msg.left_out) - members)
         if strangers or len(set(msg.left_out)) != len(msg.left_out):
             _invalid(f"publish done names {strangers or 'a member twice'} as left out; not members")
+        named = set(msg.broke)
+        if len(named) != len(msg.broke) or not named <= members - set(msg.left_out):
+            _invalid("publish done names as broke a member twice, a non-member or one left out")
+        if msg.ok and named:
+            _invalid("publish done names members that broke a publish that worked")
 
     # ---------------------------------------------------------------- fields
     @property

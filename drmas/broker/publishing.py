@@ -48,8 +48,10 @@ join_timeout_s have passed: it would miss that roll call through no fault of its
 nor is it counted stale meanwhile (`stale_actors`), so its learner does not re-publish
 to it while it loads.
 
-A publish that fails after its roll call (a member checked in and then never joined the
-group, or left it) cannot say which member broke it. The members that checked in become
+A publish that fails at its rendezvous after the roll call names, where learner rank 0
+can tell, the member whose signed entry never came (PublishDone.broke): the miss is
+counted against it alone. Otherwise (a member left the group later, say) nobody can say
+which member broke it. The members that checked in become
 suspects, and the model's next re-publishes go to one suspect at a time: the honest ones
 load, and one that fails even a group of its own is counted as a missed join (dropped
 after MAX_MISSED_JOINS), so no honest actor is counted and the run keeps publishing. A
@@ -168,6 +170,12 @@ class WeightPublishing:
         passing reason must not turn every next version into one publish per actor.)"""
         return self.missed_joins[client_id] > 0
 
+    def _probation_alone(self, stale: list[str]) -> list[str]:
+        """The members of a re-publish: the stale actors not on probation; once none is
+        left, one on probation, alone (one that broke a group breaks no one else's)."""
+        trusted = [cid for cid in stale if not self._on_probation(cid)]
+        return trusted or stale[:1]
+
     def _may_rejoin(self, client_id: str, now: float) -> bool:
         """False while an actor dropped for missing MAX_MISSED_JOINS publishes (and
         welcomed again) waits out its back-off: weights.timeout_s after its last miss,
@@ -215,6 +223,7 @@ class WeightPublishing:
             self.counters["weight_publishes_after_last_step_skipped"] += 1
         elif self.planned.get(model) == version:
             members = self._one_suspect(model, self.stale_actors(model, version, now))
+            members = self._probation_alone(members)
             self.counters["weight_republishes"] += 1
         else:
             serving = sorted(a.client_id for a in self.actors.values() if model in a.models)
@@ -292,9 +301,11 @@ class WeightPublishing:
         sent_bytes: int = 0,
         left_out: Sequence[str] = (),
         now: float | None = None,
+        broke: Sequence[str] = (),
     ) -> None:
         """The learner's publish of `version` ended (PublishDone; or a plan without members).
-        `left_out`: members that did not check in at its roll call (see `_left_out`)."""
+        `left_out`: members that did not check in at its roll call (see `_left_out`);
+        `broke`: members the learner saw check in and never join (a failed publish)."""
         now = time.monotonic() if now is None else now
         self.counters["weight_publishes" if ok else "weight_publishes_failed"] += 1
         self.in_flight.pop(model, None)
@@ -305,7 +316,11 @@ class WeightPublishing:
             early_version, early_digest = self.early_oks.pop(key)
             self.loaded(key[0], model, early_version, True, early_digest)
         present = [m for m in self.members.get(model, []) if m not in left_out]
-        if not ok:
+        for client_id in broke:  # the culprit is known: nobody else is a suspect
+            self.joining.pop((client_id, model), None)  # it is receiving nothing
+            self._failed(client_id, model, version, now)
+            self._missed(client_id, version, "checked in, then never joined the group", now)
+        if not ok and not broke:
             self._failed_group(model, version, present, now)
         elif model in self.suspects:  # in a group that worked: not the one that breaks them
             self.suspects[model] = [c for c in self.suspects[model] if c not in present]

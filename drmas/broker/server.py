@@ -451,8 +451,9 @@ class BrokerServer:
             if not msg.ok:
                 log.warning("publish of %s v%d failed: %s", msg.model, msg.version, clip(msg.error))
             weights.done(
-                msg.model, msg.version, msg.seconds, msg.ok, msg.digest, msg.bytes, msg.left_out
-            )
+                msg.model, msg.version, msg.seconds, msg.ok, msg.digest, msg.bytes, msg.left_out,
+                broke=msg.broke,
+            )  # fmt: skip
             for client_id in weights.take_never_joined():
                 self.state.drop_actor(client_id, "never joined")
             return

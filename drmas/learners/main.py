@@ -308,8 +308,7 @@ class Learner:
         members = broadcast_int(len(plan.members) if plan is not None else 0, self.device)
         if members == 0:  # nobody to send to; the broker closes such a publish itself
             return 0.0
-        # A collective over the learner group: every rank runs it to the end, whatever
-        # happens to the broadcast on rank 0.
+        # A collective over the learner group: every rank runs it to the end, come what may
         device = self.sender.device if self.sender is not None else None
         # no copy: the publish is done with each tensor before the next step changes it
         gathered = _ticking(self.trainer.weights_out(device, self.version), self.beat)
@@ -355,7 +354,8 @@ class Learner:
         except WeightSyncError as exc:
             log.warning("%s v%d: weight broadcast failed, going on: %s", model, version, exc)
             seconds = time.monotonic() - start
-            done = PublishDone(model, version, seconds, 0, ok=False, error=str(exc))
+            broke = [plan.members[r - 1] for r in exc.absent if r <= len(plan.members)]
+            done = PublishDone(model, version, seconds, 0, False, str(exc), broke=broke)
         finally:
             for _ in gathered:  # keep gathering in step with the other ranks
                 pass

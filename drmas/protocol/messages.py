@@ -45,7 +45,7 @@ from drmas.protocol.wire_limits import (
     Versions,
 )
 
-PROTOCOL_VERSION = 7  # 7: SamplingParams.stop and .agents (per-agent sampling)
+PROTOCOL_VERSION = 8  # 8: PublishDone.broke; 7: SamplingParams.stop and .agents
 
 Role = Literal["actor", "learner", "client"]
 
@@ -415,6 +415,9 @@ class PublishDone(_Msg, tag="publish_done"):
     # members of the plan that did not check in with the token in time (the roll call):
     # nothing was sent to them; the broker re-publishes to them, or drops one that never comes
     left_out: Annotated[list[Id], msgspec.Meta(max_length=MAX_LIST)] = []
+    # a failed publish: members that checked in and then never wrote their rendezvous
+    # entry (they broke the group); the broker counts it against them, no one else
+    broke: Annotated[list[Id], msgspec.Meta(max_length=MAX_LIST)] = []
 
 
 # ------------------------------------------------------------------- control

@@ -519,6 +519,31 @@ def test_an_actor_that_never_checks_in_is_dropped_after_three_publishes(
     assert refused(actor.ask(LeaseRequest("a", 1, {})), "unknown_client")
 
 
+def test_a_publish_done_names_as_broke_only_members_of_a_failed_publish(
+    server: BrokerServer,
+) -> None:
+    """PublishDone.broke (members that checked in and never joined): refused when it names
+    a non-member, a member twice or one left out, or comes with a publish that worked;
+    else counted against the named member only."""
+    learner, actor, other = Peer(server, "L"), Peer(server, "a"), Peer(server, "b")
+    assert isinstance(learner.hello("learner", ["solver"]), Welcome)
+    for peer in (actor, other):
+        assert isinstance(peer.hello("actor", ["solver", "verifier"]), Welcome)
+    plan = learner.ask(PublishRequest("solver", 0, "127.0.0.1:1"))
+    assert isinstance(plan, WeightGroupPlan) and plan.members == ["a", "b"]
+    for bad in (
+        PublishDone("solver", 0, 0.1, 0, False, "x", broke=["x"]),
+        PublishDone("solver", 0, 0.1, 0, False, "x", broke=["a", "a"]),
+        PublishDone("solver", 0, 0.1, 0, False, "x", left_out=["a"], broke=["a"]),
+        PublishDone("solver", 0, 0.1, 0, True, broke=["a"]),
+    ):
+        assert refused(learner.ask(bad), "invalid")
+    learner.send(PublishDone("solver", 0, 10.0, 0, False, "rendezvous", broke=["b"]))
+    learner.next(0.2)
+    weights = server.state.weights
+    assert weights.missed_joins == {"b": 1} and not weights.suspects.get("solver")
+
+
 def wait_for(cap: ConnectionCap, done: Callable[[], bool], timeout: float = 10.0) -> bool:
     """Handle the cap's monitor events as they arrive until `done()` (False at the deadline)."""
     deadline = time.monotonic() + timeout

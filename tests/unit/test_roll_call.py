@@ -66,12 +66,15 @@ def test_the_sender_keeps_the_last_two_roll_calls_keys() -> None:
         sender.close()
 
 
+@pytest.mark.parametrize("members", [1, 2])
 def test_a_member_that_checks_in_and_never_joins_fails_the_publish_at_the_rendezvous_bound(
-    monkeypatch,
+    monkeypatch, members: int
 ) -> None:
     """It proves the token at the roll call, then never writes its rendezvous entry: rank 0
     gives up after max(RENDEZVOUS_MIN_S, 2 x join_timeout_s), not weights.timeout_s (each
-    publish waited 60 s for such a member in a whole run)."""
+    publish waited 60 s for such a member in a whole run), and names it by its rank in the
+    plan (`absent`; with 2 members, rank 1 never checks in, so the culprit, plan rank 2, is
+    the group's rank 1), so the broker counts the failure against it and no one else."""
     import threading
 
     import drmas.transports.weights.sender as sender_module
@@ -85,14 +88,17 @@ def test_a_member_that_checks_in_and_never_joins_fails_the_publish_at_the_rendez
                            timeout=datetime.timedelta(seconds=30))  # fmt: skip
     checked_in = threading.Thread(
         target=answer_roll,
-        args=(dist.PrefixStore("g", client), "g", 1, TOKEN, 1, 30.0),
+        args=(dist.PrefixStore("g", client), "g", 1, TOKEN, members, 30.0),
         daemon=True,
     )
     checked_in.start()
     try:
         # the store's own words: it waited the rendezvous bound (0.5 s), not TIMEOUT_S
-        with pytest.raises(WeightSyncTimeout, match=r"rendezvous failed.*wait timeout after 500ms"):
-            sender.publish("g", 2, [], TIMEOUT_S, specs=[], token=TOKEN, version=1)
+        with pytest.raises(
+            WeightSyncTimeout, match=r"rendezvous failed.*wait timeout after 500ms"
+        ) as failed:
+            sender.publish("g", members + 1, [], TIMEOUT_S, specs=[], token=TOKEN, version=1)
+        assert failed.value.absent == (members,)
     finally:
         checked_in.join(30)
         sender.close()

@@ -126,10 +126,15 @@ class Group:
             wait = min(rendezvous_s, where.timeout_s) if rendezvous_s > 0 else where.timeout_s
             store = SignedStore(store, token, where.group, datetime.timedelta(seconds=wait))
         self.store = store  # the token proofs go through it (authenticate)
-        with where.phase("rendezvous"):
-            self.pg: Any = make_pg(
-                store, where.rank, where.world_size, backend, device, where.timeout
-            )
+        try:
+            with where.phase("rendezvous"):
+                self.pg: Any = make_pg(
+                    store, where.rank, where.world_size, backend, device, where.timeout
+                )
+        except WeightSyncError as exc:
+            if isinstance(store, SignedStore) and where.rank == 0:
+                exc.absent = _rank_of(store.missing, where.world_size)
+            raise
 
     def start(self, tensor: torch.Tensor, what: str) -> Any:
         """Queue a broadcast from rank 0 (gloo runs it on its own threads); `finish` waits."""
@@ -248,6 +253,13 @@ class Retired:
         # abort: a retired group's peers may be gone (that is often why it was retired)
         while self.groups:
             self.groups.pop().close(ok=False)
+
+
+def _rank_of(key: str, world_size: int) -> tuple[int, ...]:
+    """The member rank whose rendezvous entry `key` is (gloo's keys end in "/<rank>"); ()
+    when the key is not one."""
+    tail = key.rsplit("/", 1)[-1]
+    return (int(tail),) if tail.isdigit() and 0 < int(tail) < world_size else ()
 
 
 def make_pg(

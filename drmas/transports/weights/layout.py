@@ -41,7 +41,11 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 class WeightSyncError(RuntimeError):
-    """A weight group failed (peer gone, backend mismatch, bad header)."""
+    """A weight group failed (peer gone, backend mismatch, bad header). `absent`, at rank 0
+    of a rendezvous that failed: the ranks whose entry never came (the group's own ranks;
+    WeightSender.publish turns them into the plan's), empty when that is not known."""
+
+    absent: tuple[int, ...] = ()
 
 
 class WeightSyncTimeout(WeightSyncError, TimeoutError):

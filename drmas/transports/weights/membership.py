@@ -36,6 +36,7 @@ class SignedStore(dist.Store):
         super().__init__()
         self.inner, self.group, self.timeout_ = inner, group, timeout
         self._key = token.encode()
+        self.missing = ""  # the key of the last wait that ran out: whose entry never came
 
     def _signature(self, key: str, value: bytes) -> bytes:
         message = f"{self.group}|{key}|".encode() + value
@@ -51,12 +52,13 @@ class SignedStore(dist.Store):
             # this store's timeout, not the inner store's (the run's weights.timeout_s): a
             # member that checked in and never writes its entry fails the rendezvous soon
             left = max(deadline - time.monotonic(), 0.001)
-            self.inner.wait([key], timedelta(seconds=left))
+            self._wait_for([key], timedelta(seconds=left))
             raw = bytes(self.inner.get(key))
             value, signature = raw[:-32], raw[-32:]
             if len(raw) >= 32 and hmac.compare_digest(signature, self._signature(key, value)):
                 return value
             if time.monotonic() >= deadline:
+                self.missing = key  # a member's own write would have replaced it
                 raise WeightSyncError(
                     f"weight group {self.group!r}: rendezvous entry {key!r} is not "
                     "signed with the group's token (a store client wrote it) after "
@@ -74,7 +76,14 @@ class SignedStore(dist.Store):
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """At most this store's timeout, whatever the caller asks (gloo's rendezvous asks
         for the process group's)."""
-        self.inner.wait(keys, min(timeout or self.timeout_, self.timeout_))
+        self._wait_for(keys, min(timeout or self.timeout_, self.timeout_))
+
+    def _wait_for(self, keys: list[str], timeout: timedelta) -> None:
+        try:
+            self.inner.wait(keys, timeout)
+        except RuntimeError:  # the store's timeout: note whose entry it waited for
+            self.missing = next((k for k in keys if not self.inner.check([k])), keys[0])
+            raise
 
     def delete_key(self, key: str) -> bool:
         return bool(self.inner.delete_key(key))

@@ -116,9 +116,9 @@ class WeightSender:
             self._live = None
         self._retired.release()
 
-    def _group(self, name: str, where: Where, token: str) -> tuple[Group, bool]:
+    def _group(self, name: str, where: Where, token: str, present: list[int]) -> tuple[Group, bool]:
         """The group kept from the previous publish when `name` is its name; else a new one
-        (the kept one is retired)."""
+        (the kept one is retired). `present`: the plan's rank of each of its ranks 1..n."""
         if self._live is not None and self._live[0] == name:
             group = self._live[1]
             if group.where.world_size == where.world_size:
@@ -131,7 +131,11 @@ class WeightSender:
         store = dist.PrefixStore(name, self.store)
         store.set("backend", self.backend)
         rendezvous_s = max(RENDEZVOUS_MIN_S, 2 * self.cfg.join_timeout_s)
-        return Group(where, store, self.backend, self.device, token, rendezvous_s), False
+        try:
+            return Group(where, store, self.backend, self.device, token, rendezvous_s), False
+        except WeightSyncError as exc:  # the rendezvous failed: name the plan's ranks
+            exc.absent = tuple(present[r - 1] for r in exc.absent if r <= len(present))
+            raise
 
     def publish(
         self,
@@ -146,15 +150,13 @@ class WeightSender:
         digest: Digest | None = None,
         version: int = 0,
     ) -> PublishStats:
-        """Broadcast `named_tensors` to ranks 1..world_size-1 of group `group_name` (the
-        previous publish's group if the name is the same, else a new one; kept if it went
-        through, aborted on WeightSyncTimeout/WeightSyncError). `specs` (name, shape, dtype
-        of each tensor, in order) lets the header go out before the first tensor is
-        gathered. `token`, from the broker's plan: the roll call of `version`'s publish
-        picks the members that prove they hold it in time (the others: `left_out`), and
-        each rank proves it again before the header ("" = neither). With
-        weights.verify_digest a digest of every byte sent follows the last bucket: `digest`,
-        if the caller hashes the stream (digest.hashing), else one of its own."""
+        """Broadcast `named_tensors` to ranks 1..world_size-1 of group `group_name` (kept
+        if it went through, aborted on WeightSyncError). `specs` (of each tensor, in order)
+        lets the header go out before the first tensor is gathered. `token`: the roll call
+        of `version`'s publish picks the members that prove they hold it in time (others:
+        `left_out`; a failed rendezvous names who never came: WeightSyncError.absent), and
+        each proves it again before the header. A digest of every byte sent follows the
+        last bucket: `digest` if the caller hashes the stream, else one of its own."""
         self.release()
         start = time.monotonic()
         if specs is None:
@@ -163,12 +165,14 @@ class WeightSender:
             named_tensors = materialised
         header = Header(int(self.cfg.bucket_mb * 2**20), list(specs), self.cfg.verify_digest)
         buckets = plan_buckets(header.tensors, header.bucket_bytes)
-        name, world_size, who, left_out = self._roster(
+        name, world_size, who, left_out, present = self._roster(
             group_name, world_size, peers, token, version
         )
         if world_size == 1:  # nobody checked in
             return PublishStats(time.monotonic() - start, 0, 0, False, left_out)
-        group, reused = self._group(name, Where(name, 0, world_size, timeout_s, who), token)
+        group, reused = self._group(
+            name, Where(name, 0, world_size, timeout_s, who), token, present
+        )
         own = Digest() if header.digest and digest is None else None
         named_tensors = hashing(iter(named_tensors), own) if own else named_tensors
         try:
@@ -196,16 +200,17 @@ class WeightSender:
 
     def _roster(
         self, group_name: str, world_size: int, peers: Sequence[str], token: str, version: int
-    ) -> tuple[str, int, str, list[int]]:
-        """(group name, world size, who, left-out ranks) of the group this publish sends
-        over: the planned one without a token; with one, the roll call's roster."""
+    ) -> tuple[str, int, str, list[int], list[int]]:
+        """(group name, world size, who, left-out ranks, present ranks: the plan's rank of
+        each of the group's ranks 1..n) of the group this publish sends over: the planned
+        one without a token; with one, the roll call's roster."""
         if not token:
             who = ", ".join(peers) if peers else f"ranks 1..{world_size - 1}"
-            return group_name, world_size, who, []
+            return group_name, world_size, who, [], list(range(1, world_size))
         present, left_out = self._roll_call(group_name, version, token, world_size - 1, peers)
         name = roster_group(group_name, version, len(present), world_size - 1)
         who = ", ".join(peers[r - 1] if peers else f"rank {r}" for r in present)
-        return name, len(present) + 1, who, left_out
+        return name, len(present) + 1, who, left_out, present
 
     def _roll_call(
         self, group_name: str, version: int, token: str, members: int, peers: Sequence[str]
