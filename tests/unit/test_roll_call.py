@@ -102,3 +102,52 @@ def test_a_member_that_checks_in_and_never_joins_fails_the_publish_at_the_rendez
     finally:
         checked_in.join(30)
         sender.close()
+
+
+def test_an_honest_member_stops_waiting_when_rank_0_gives_up_the_rendezvous(monkeypatch) -> None:
+    """Members 1 (honest, a real WeightReceiver) and 2 (checks in, never joins) of a publish:
+    rank 0 gives up at its rendezvous bound and writes a signed abort, and the honest
+    member's receive fails on it, not at its own timeout (TIMEOUT_S, never reached),
+    which it used to wait out with its engine paused (2.37x a whole run's time)."""
+    import threading
+
+    import drmas.transports.weights.sender as sender_module
+    from drmas.config.transport import WeightSyncConfig
+    from drmas.protocol.messages import JoinWeightGroup
+    from drmas.transports.weights import WeightReceiver, WeightSender
+
+    monkeypatch.setattr(sender_module, "RENDEZVOUS_MIN_S", 0.5)
+    cfg = WeightSyncConfig(host="127.0.0.1", timeout_s=TIMEOUT_S, join_timeout_s=5.0)
+    sender = WeightSender(cfg)
+    address = f"127.0.0.1:{sender.store.port}"
+    client = dist.TCPStore("127.0.0.1", sender.store.port, is_master=False,
+                           timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    squatter = threading.Thread(
+        target=answer_roll, args=(dist.PrefixStore("g", client), "g", 1, TOKEN, 2, 30.0),
+        daemon=True,
+    )  # fmt: skip
+    failure: list[BaseException] = []
+
+    def honest() -> None:
+        receiver = WeightReceiver(WeightSyncConfig(host="127.0.0.1", timeout_s=TIMEOUT_S))
+        join = JoinWeightGroup("m", 1, "g", address, 1, 3, TIMEOUT_S, TOKEN)
+        try:
+            list(receiver.receive(join))
+        except BaseException as exc:  # what it failed with is the result
+            failure.append(exc)
+        finally:
+            receiver.close()
+
+    member = threading.Thread(target=honest, daemon=True)
+    squatter.start()
+    member.start()
+    try:
+        with pytest.raises(WeightSyncError) as failed:
+            sender.publish("g", 3, [], TIMEOUT_S, specs=[], token=TOKEN, version=1)
+        assert failed.value.absent == (2,)
+        member.join(30)
+        assert not member.is_alive()
+        assert len(failure) == 1 and "rank 0 gave up the rendezvous" in str(failure[0])
+    finally:
+        squatter.join(30)
+        sender.close()

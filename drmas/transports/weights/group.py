@@ -124,7 +124,8 @@ class Group:
         self._tag = 0  # p2p tag of the next star "broadcast", the same count on every rank
         if token:  # every rendezvous entry signed: a store client cannot take a rank
             wait = min(rendezvous_s, where.timeout_s) if rendezvous_s > 0 else where.timeout_s
-            store = SignedStore(store, token, where.group, datetime.timedelta(seconds=wait))
+            timeout = datetime.timedelta(seconds=wait)
+            store = SignedStore(store, token, where.group, timeout, watch_abort=where.rank > 0)
         self.store = store  # the token proofs go through it (authenticate)
         try:
             with where.phase("rendezvous"):
@@ -134,6 +135,7 @@ class Group:
         except WeightSyncError as exc:
             if isinstance(store, SignedStore) and where.rank == 0:
                 exc.absent = _rank_of(store.missing, where.world_size)
+                store.abort()
             raise
 
     def start(self, tensor: torch.Tensor, what: str) -> Any:

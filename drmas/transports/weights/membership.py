@@ -30,13 +30,38 @@ class SignedStore(dist.Store):
     aborts a process that receives a message of the wrong size). Here an entry without
     the signature is never used: `get` waits until the key holds a signed value (a
     member's write replaces the client's), up to `timeout`, and then fails the rendezvous
-    (WeightSyncError, or the store's timeout). The publish fails; no rank does."""
+    (WeightSyncError, or the store's timeout). The publish fails; no rank does.
 
-    def __init__(self, inner: dist.Store, token: str, group: str, timeout: timedelta) -> None:
+    Rank 0 that gives up a rendezvous (a member checked in and never came) says so with a
+    signed ABORT entry (`abort`); the other ranks (`watch_abort`) look for it while they
+    wait, so an honest member fails at once instead of at its own timeout, with its
+    engine paused all that while."""
+
+    def __init__(
+        self,
+        inner: dist.Store,
+        token: str,
+        group: str,
+        timeout: timedelta,
+        watch_abort: bool = False,
+    ) -> None:
         super().__init__()
         self.inner, self.group, self.timeout_ = inner, group, timeout
         self._key = token.encode()
+        self.watch_abort = watch_abort
         self.missing = ""  # the key of the last wait that ran out: whose entry never came
+
+    def abort(self) -> None:
+        """Rank 0: the rendezvous is given up; members waiting in it fail now."""
+        with contextlib.suppress(RuntimeError):  # the store may be gone already
+            self.set(ABORT, "1")
+
+    def _aborted(self) -> bool:
+        if not self.inner.check([ABORT]):
+            return False
+        raw = bytes(self.inner.get(ABORT))
+        value, signature = raw[:-32], raw[-32:]
+        return len(raw) >= 32 and hmac.compare_digest(signature, self._signature(ABORT, value))
 
     def _signature(self, key: str, value: bytes) -> bytes:
         message = f"{self.group}|{key}|".encode() + value
@@ -79,11 +104,22 @@ class SignedStore(dist.Store):
         self._wait_for(keys, min(timeout or self.timeout_, self.timeout_))
 
     def _wait_for(self, keys: list[str], timeout: timedelta) -> None:
-        try:
-            self.inner.wait(keys, timeout)
-        except RuntimeError:  # the store's timeout: note whose entry it waited for
-            self.missing = next((k for k in keys if not self.inner.check([k])), keys[0])
-            raise
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            left = deadline - time.monotonic()
+            step = timedelta(seconds=max(min(left, ABORT_POLL_S), 0.001))
+            try:
+                self.inner.wait(keys, step if self.watch_abort else timeout)
+                return
+            except RuntimeError:  # the store's timeout
+                if self.watch_abort and self._aborted():
+                    raise WeightSyncError(
+                        f"weight group {self.group!r}: rank 0 gave up the rendezvous (a "
+                        "member that checked in never came); loading nothing"
+                    ) from None
+                if not self.watch_abort or time.monotonic() >= deadline:
+                    self.missing = next((k for k in keys if not self.inner.check([k])), keys[0])
+                    raise
 
     def delete_key(self, key: str) -> bool:
         return bool(self.inner.delete_key(key))
@@ -173,6 +209,11 @@ def call_roll(
     refused = sorted(set(answers) - set(present))
     return Roll(present, sorted(waiting), refused)
 
+
+ABORT = "abort"
+"""A group's store key: rank 0 gave up its rendezvous (SignedStore.abort)."""
+ABORT_POLL_S = 0.25
+"""How often a member waiting in a rendezvous looks for rank 0's ABORT."""
 
 LATEST = "roll/latest"
 """The version of rank 0's newest roll call in a group's store."""
