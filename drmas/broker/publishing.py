@@ -49,8 +49,9 @@ nor is it counted stale meanwhile (`stale_actors`), so its learner does not re-p
 to it while it loads.
 
 A publish that fails at its rendezvous after the roll call names, where learner rank 0
-can tell, the member whose signed entry never came (PublishDone.broke): the miss is
-counted against it alone. Otherwise (a member left the group later, say) nobody can say
+can tell, the member whose signed entry never came (PublishDone.broke): it is counted
+against that member alone, as two missed joins (it proved it was there, then held up
+every member; an honest actor that stalls once is not dropped, a second break drops it). Otherwise (a member left the group later, say) nobody can say
 which member broke it. The members that checked in become
 suspects, and the model's next re-publishes go to one suspect at a time: the honest ones
 load, and one that fails even a group of its own is counted as a missed join (dropped
@@ -319,7 +320,7 @@ class WeightPublishing:
         for client_id in broke:  # the culprit is known: nobody else is a suspect
             self.joining.pop((client_id, model), None)  # it is receiving nothing
             self._failed(client_id, model, version, now)
-            self._missed(client_id, version, "checked in, then never joined the group", now)
+            self._missed(client_id, version, "checked in, then never joined the group", now, 2)
         if not ok and not broke:
             self._failed_group(model, version, present, now)
         elif model in self.suspects:  # in a group that worked: not the one that breaks them
@@ -381,12 +382,12 @@ class WeightPublishing:
             how = "never checked in within weights.join_timeout_s"
             self._missed(client_id, version, how, now)
 
-    def _missed(self, client_id: str, version: int, how: str, now: float) -> None:
-        """One more publish in a row the actor missed; at MAX_MISSED_JOINS it is dropped."""
-        self.missed_joins[client_id] += 1
+    def _missed(self, client_id: str, version: int, how: str, now: float, n: int = 1) -> None:
+        """`n` more publishes in a row the actor missed; at MAX_MISSED_JOINS it is dropped."""
+        self.missed_joins[client_id] += n
         self.missed_at[client_id] = now
         self._bound_missed_joins()
-        if self.missed_joins[client_id] >= MAX_MISSED_JOINS:
+        if self.missed_joins[client_id] >= MAX_MISSED_JOINS and client_id not in self.never_joined:
             log.error(
                 "%s missed %d weight publishes in a row (the last, v%d: %s): dropping it",
                 client_id, self.missed_joins[client_id], version, how,

@@ -524,7 +524,7 @@ def test_a_publish_done_names_as_broke_only_members_of_a_failed_publish(
 ) -> None:
     """PublishDone.broke (members that checked in and never joined): refused when it names
     a non-member, a member twice or one left out, or comes with a publish that worked;
-    else counted against the named member only."""
+    else counted against the named member only (as two missed joins)."""
     learner, actor, other = Peer(server, "L"), Peer(server, "a"), Peer(server, "b")
     assert isinstance(learner.hello("learner", ["solver"]), Welcome)
     for peer in (actor, other):
@@ -541,7 +541,7 @@ def test_a_publish_done_names_as_broke_only_members_of_a_failed_publish(
     learner.send(PublishDone("solver", 0, 10.0, 0, False, "rendezvous", broke=["b"]))
     learner.next(0.2)
     weights = server.state.weights
-    assert weights.missed_joins == {"b": 1} and not weights.suspects.get("solver")
+    assert weights.missed_joins == {"b": 2} and not weights.suspects.get("solver")
 
 
 def wait_for(cap: ConnectionCap, done: Callable[[], bool], timeout: float = 10.0) -> bool:
