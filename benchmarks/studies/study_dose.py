@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))  # benchmarks.* when run as a script
 
 from benchmarks.studies.study_advantage_modes import Group, git_state, run_one  # noqa: E402
 from benchmarks.studies.study_lemma import SHARED, finals, paired, runs_left  # noqa: E402
-from benchmarks.studies.study_stats import mean_ci, significant  # noqa: E402
+from benchmarks.studies.study_stats import holm, mean_ci, paired_p, significant  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "study" / "dose"
 SCALES = ("1", "0.3", "0.1", "0.03")
@@ -168,6 +168,7 @@ def summarize(out: Path, write: bool = True) -> dict[str, Any]:
                 summary["contrasts"][f"c={c}: agent - {arm}"] = paired(values["agent"], values[arm])
         if c in ABLATED:
             summary["factorial"][c] = factorial(values)
+    _holm(summary["contrasts"], by_scale)
     for arm in ("step_global", "global"):
         summary["trend"][f"agent - {arm}"] = trend(by_scale, arm)
     summary["predictions"] = predictions(out / "probe")
@@ -176,6 +177,20 @@ def summarize(out: Path, write: bool = True) -> dict[str, Any]:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         (out / "summary.md").write_text(markdown(summary))
     return summary
+
+
+def _holm(contrasts: dict[str, dict[str, Any]], by_scale: dict[str, Any]) -> None:
+    """Each contrast's paired t-test p and its Holm adjustment over all of the study's
+    contrasts (the family: every scale, every arm against `agent`)."""
+    tested = {}
+    for key, c in contrasts.items():
+        scale, arm = key[len("c=") :].split(": agent - ")
+        values = by_scale[scale]
+        if len(c["seeds"]) >= 2:
+            diffs = [values["agent"][s] - values[arm][s] for s in c["seeds"]]
+            tested[key] = paired_p(diffs)
+    for key, adjusted in zip(tested, holm(list(tested.values()))):
+        contrasts[key].update(p=tested[key], p_holm=adjusted, significant_holm=adjusted < 0.05)
 
 
 def _ci(c: dict[str, Any]) -> str:
@@ -193,8 +208,15 @@ def markdown(s: dict[str, Any]) -> str:
     for c, arms in s["arms"].items():
         for arm, v in arms.items():
             lines.append(f"| {c} | {arm} | {_ci(v).replace('+', '')} | {len(v['seeds'])} |")
-    lines += ["", "| paired contrast | mean [95 % CI] |", "|---|---|"]
-    lines += [f"| {k} | {_ci(v)} |" for k, v in s["contrasts"].items()]
+    lines += [
+        "",
+        "| paired contrast | mean [95 % CI] | p | p, Holm over all |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {k} | {_ci(v)} | {v.get('p', float('nan')):.4f} | {v.get('p_holm', float('nan')):.4f} |"
+        for k, v in s["contrasts"].items()
+    ]
     for c, f in s["factorial"].items():
         if "gap" not in f:
             continue

@@ -4,6 +4,7 @@
     paired differences ── mean_ci + significant ──> does the interval exclude 0
     paired log ratios ── ratio_ci ──> geometric-mean ratio and its interval
     per-seed wins ── sign_test ──> two-sided binomial p, ties left out
+    paired differences ── paired_p ──> two-sided paired t-test p; several ── holm ──> adjusted
 
 Pure functions of lists of floats, so the tables of docs/results.md can be checked by a
 unit test against values worked out by hand. The t quantiles come from scipy, not from a
@@ -47,6 +48,24 @@ def significant(ci: dict[str, Any]) -> dict[str, Any]:
     """The interval with `significant`: True when it excludes 0 (a paired difference)."""
     lo, hi = ci["lo"], ci["hi"]
     return {**ci, "significant": lo is not None and hi is not None and (lo > 0 or hi < 0)}
+
+
+def paired_p(differences: Sequence[float]) -> float:
+    """Two-sided p of a paired t-test that the mean difference is 0 (one value per seed)."""
+    if len(differences) < 2:
+        raise ValueError("a paired t-test needs at least 2 differences")
+    return float(stats.ttest_1samp(list(differences), 0.0).pvalue)
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of several p-values (same order as given): the family
+    of contrasts one study reports, so "significant" means after the correction."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    adjusted, running = [1.0] * len(p_values), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
 
 
 def ratio_ci(numerators: list[float], denominators: list[float]) -> dict[str, Any]:

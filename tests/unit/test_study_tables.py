@@ -41,6 +41,16 @@ def test_sign_test_four_wins_and_a_tie_is_p_0125() -> None:
     assert study_stats.sign_test([1, 1], [1, 1])["p"] == 1.0
 
 
+def test_paired_p_and_holm_by_hand() -> None:
+    # differences 1, 2, 3: t = 2 / (1 / sqrt 3) = 3.4641 with 2 df, two-sided p 0.0742
+    assert study_stats.paired_p([1.0, 2.0, 3.0]) == pytest.approx(0.074180, abs=1e-5)
+    # Holm over 0.01, 0.04, 0.03: 3 x 0.01, then max(0.03, 2 x 0.03), then max(0.06, 0.04)
+    assert study_stats.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert study_stats.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1
+    with pytest.raises(ValueError, match="at least 2"):
+        study_stats.paired_p([1.0])
+
+
 def test_ratio_relative_and_seeds_needed() -> None:
     r = study_stats.ratio_ci([2.0, 8.0], [1.0, 2.0])  # log ratios ln 2, ln 4
     assert r["mean"] == pytest.approx(2**1.5)
