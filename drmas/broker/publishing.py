@@ -317,7 +317,7 @@ class WeightPublishing:
             early_version, early_digest = self.early_oks.pop(key)
             self.loaded(key[0], model, early_version, True, early_digest)
         present = [m for m in self.members.get(model, []) if m not in left_out]
-        for client_id in broke:  # the culprit is known: nobody else is a suspect
+        for client_id in [c for c in broke if c in self.actors]:  # known: no suspects
             self.joining.pop((client_id, model), None)  # it is receiving nothing
             self._failed(client_id, model, version, now)
             self._missed(client_id, version, "checked in, then never joined the group", now, 2)
