@@ -51,16 +51,16 @@ to it while it loads.
 A publish that fails at its rendezvous after the roll call names, where learner rank 0
 can tell, the member whose signed entry never came (PublishDone.broke): it is counted
 against that member alone, as two missed joins (it proved it was there, then held up
-every member; an honest actor that stalls once is not dropped, a second break drops it). Otherwise (a member left the group later, say) nobody can say
-which member broke it. The members that checked in become
-suspects, and the model's next re-publishes go to one suspect at a time: the honest ones
+every member; an honest actor that stalls once is not dropped, a second break drops it).
+Otherwise (a member left the group later, say) nobody can say which member broke it.
+The members that checked in become suspects, and the model's next re-publishes go to one suspect at a time: the honest ones
 load, and one that fails even a group of its own is counted as a missed join (dropped
 after MAX_MISSED_JOINS), so no honest actor is counted and the run keeps publishing. A
 member of a publish that succeeds is a suspect no more.
 
 An actor on probation (one that missed a publish, by never checking in or by breaking a
-group of its own, and has loaded nothing since) is left out of each new version's publish and gets it by a re-publish of its own,
-so a culprit costs at most the one full publish it broke, never the next versions'. One
+group of its own, and has loaded nothing since) is left out of each new version's
+publish and gets it by a re-publish of its own, so a culprit costs at most the one full publish it broke, never the next versions'. One
 dropped for missing MAX_MISSED_JOINS publishes that says Hello again (its count kept) gets
 no re-publish until a back-off has passed (weights.timeout_s, doubling with every further
 miss) and no lease until it loads: a fake actor that rejoins each time it is dropped costs

@@ -57,11 +57,15 @@ class SignedStore(dist.Store):
             self.set(ABORT, "1")
 
     def _aborted(self) -> bool:
-        if not self.inner.check([ABORT]):
-            return False
-        raw = bytes(self.inner.get(ABORT))
+        return self.inner.check([ABORT]) and self._signed(ABORT) is not None
+
+    def _signed(self, key: str) -> bytes | None:
+        """The value under `key` if its signature is the group's, else None."""
+        raw = bytes(self.inner.get(key))
         value, signature = raw[:-32], raw[-32:]
-        return len(raw) >= 32 and hmac.compare_digest(signature, self._signature(ABORT, value))
+        if len(raw) >= 32 and hmac.compare_digest(signature, self._signature(key, value)):
+            return value
+        return None
 
     def _signature(self, key: str, value: bytes) -> bytes:
         message = f"{self.group}|{key}|".encode() + value
@@ -78,9 +82,8 @@ class SignedStore(dist.Store):
             # member that checked in and never writes its entry fails the rendezvous soon
             left = max(deadline - time.monotonic(), 0.001)
             self._wait_for([key], timedelta(seconds=left))
-            raw = bytes(self.inner.get(key))
-            value, signature = raw[:-32], raw[-32:]
-            if len(raw) >= 32 and hmac.compare_digest(signature, self._signature(key, value)):
+            value = self._signed(key)
+            if value is not None:
                 return value
             if time.monotonic() >= deadline:
                 self.missing = key  # a member's own write would have replaced it
