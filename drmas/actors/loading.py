@@ -1,7 +1,12 @@
 """An actor's load of a weight publish into an engine that lives in its own process (hf,
 sim): the receive from learner rank 0's weight group (drmas/transports/weights/receiver.py)
 and where the load's time went. Actor.sync_weights (main.py) decides when a load runs,
-pauses and resumes the engine and answers the broker with WeightsLoaded.
+resumes the engine and answers the broker with WeightsLoaded.
+
+The engine is paused (and its weights kept aside, RollsBack) only when the first bucket
+has arrived (`Pausing`): the roll call and the group's rendezvous, which may wait up to
+weights.join_timeout_s for the other members and fail when one never joins, cost the
+engine no generation, and a publish that fails before its first bucket leaves it as it was.
 
 Engines whose workers join the group themselves (vLLM, SGLang: ReceivesWeights) do not
 come through here.
@@ -16,7 +21,7 @@ import signal
 import time
 from itertools import pairwise
 
-from drmas.actors.engines import ReadsBack
+from drmas.actors.engines import ReadsBack, RollsBack
 from drmas.actors.engines.base import Engine
 from drmas.config import DrmasConfig
 from drmas.config.model import weights_dtype
@@ -33,30 +38,57 @@ def wants_digest(cfg: DrmasConfig, model: str) -> bool:
     return cfg.weights.verify_digest and same_dtype
 
 
+class Pausing:
+    """Pauses an engine at most once for a load, keeping its weights aside first when it
+    can roll back (`backup`); `paused` says whether anything of the engine was touched (a
+    failed load then restores or quarantines it; else it serves on as it was). Each step is
+    a mark in `marks` (where the load's time went)."""
+
+    def __init__(self, engine: Engine, marks: list[tuple[str, float]]) -> None:
+        self.engine, self.marks = engine, marks
+        self.paused = False
+        self.backup: object | None = None
+
+    async def __call__(self) -> None:
+        if self.paused:
+            return
+        self.marks.append(("pause", time.monotonic()))
+        await self.engine.pause()
+        self.paused = True
+        self.marks.append(("backup", time.monotonic()))
+        if isinstance(self.engine, RollsBack):
+            self.backup = self.engine.backup_weights()
+        self.marks.append(("receive", time.monotonic()))
+
+
 async def load_here(
     engine: Engine,
     receiver: WeightReceiver,
     join: JoinWeightGroup,
     want_digest: bool,
-    marks: list[tuple[str, float]],
+    pausing: Pausing,
 ) -> str:
-    """Receive `join`'s publish into `engine` (paused), in a worker thread; returns the
-    fingerprint of what it now serves ("" unless `want_digest`). An engine that reads back
-    (ReadsBack) has its loaded tensors hashed as each bucket goes in: that one pass checks
-    rank 0's digest and is the fingerprint; others are fingerprinted after the load (a
-    "digest" mark in `marks`)."""
+    """Receive `join`'s publish into `engine` in a worker thread, pausing it when the first
+    bucket is in (`pausing`, run on this event loop); returns the fingerprint of what it
+    now serves ("" unless `want_digest`). An engine that reads back (ReadsBack) has its
+    loaded tensors hashed as each bucket goes in: that one pass checks rank 0's digest and
+    is the fingerprint; others are fingerprinted after the load (a "digest" mark)."""
+    loop = asyncio.get_running_loop()
 
     def load(tensors: NamedTensors) -> None:
+        if not pausing.paused:  # the first bucket: from here on the engine is changed
+            asyncio.run_coroutine_threadsafe(pausing(), loop).result(join.timeout_s)
         engine.load_weights(tensors, join.version)
         _fault_kill_mid_sync(join)
 
     live = engine.loaded_view() if want_digest and isinstance(engine, ReadsBack) else None
     got = await asyncio.to_thread(receiver.receive_into, join, load, None, live)
     if got.tensors == 0:  # a LoRA publish of no adapter: the version alone
+        await pausing()
         engine.load_weights([], join.version)
     if not want_digest or got.digest:
         return got.digest
-    marks.append(("digest", time.monotonic()))
+    pausing.marks.append(("digest", time.monotonic()))
     return engine.weights_digest()
 
 

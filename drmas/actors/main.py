@@ -10,7 +10,10 @@ runs in other processes (vllm: engines.ReceivesWeights) joins that group from it
 One asyncio loop: every episode of every held lease is a coroutine that awaits its
 engine, so the engines batch across all of them. Weight joins are handled strictly in
 arrival order (the broker sends them to every actor in the same order, so two learners
-publishing at once can never wait on each other), at a safe point: the engine is paused.
+publishing at once can never wait on each other), at a safe point: the engine is paused
+once the first bucket has arrived (drmas/actors/loading.py), so it generates on through
+the roll call and the rendezvous; an engine whose workers join (vLLM, SGLang) is paused
+before.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from drmas.actors.failures import (
     group_failure,
     report_path,
 )
-from drmas.actors.loading import load_here, log_load, wants_digest
+from drmas.actors.loading import Pausing, load_here, log_load, wants_digest
 from drmas.actors.timebook import TimeBook
 from drmas.config import DrmasConfig
 from drmas.protocol.messages import (
@@ -166,6 +169,8 @@ class Actor:
                 if self.joins:
                     await self.sync_weights()
                     self.book.tick("loading_weights")
+                    if self.stopping:  # a Shutdown read between two loads
+                        break
                 await self.send_finished()
                 now = time.monotonic()
                 free = self.cfg.actor.max_groups - len(self.running)
@@ -243,7 +248,10 @@ class Actor:
         and is retried with backoff; BrokerUnavailable after REQUEST_ATTEMPTS silent tries.
         A retried LeaseRequest whose first answer comes late leaves those leases unused
         (they expire); a retried GroupResult is refused as already returned: nothing is
-        trained twice."""
+        trained twice. Nothing is sent once a Shutdown was read (the broker may be gone:
+        the request would only wait out its timeout): BrokerUnavailable at once."""
+        if self.stopping:
+            raise BrokerUnavailable(f"the broker said Shutdown; {type(message).__name__} not sent")
         for attempt in range(REQUEST_ATTEMPTS):
             try:
                 return await self.client.arequest(
@@ -319,6 +327,8 @@ class Actor:
         its timeout (its learner has given up), is skipped."""
         while self.joins:
             self.drain_inbox()
+            if self.stopping:  # the run is over: its learners may be gone already
+                return
             join, received = self.joins.pop(0)
             newer = any(j.model == join.model for j, _ in self.joins)
             if newer or time.monotonic() - received > join.timeout_s:
@@ -329,29 +339,30 @@ class Actor:
             start = time.monotonic()
             ok, error, digest = True, "", ""
             want_digest = wants_digest(self.cfg, join.model)
-            marks = [("pause", time.monotonic())]  # where the load's time went, for the log
-            await engine.pause()
-            marks.append(("backup", time.monotonic()))
-            backup = engine.backup_weights() if isinstance(engine, RollsBack) else None
-            marks.append(("receive", time.monotonic()))
+            pausing = Pausing(engine, [("join", start)])  # and where the load's time went
             held = engine.version
             try:
                 if isinstance(engine, ReceivesWeights):  # its own workers join the group
+                    await pausing()
                     digest = await engine.receive_weights(join, want_digest)
-                else:
-                    digest = await load_here(engine, self.receiver, join, want_digest, marks)
+                else:  # paused once the first bucket is in
+                    digest = await load_here(engine, self.receiver, join, want_digest, pausing)
             except Exception as exc:  # a failed sync must not kill the actor: it re-syncs later
                 ok, error = False, f"{type(exc).__name__}: {exc}"
-                error += self.after_failed_load(join.model, engine, backup, held)
+                if pausing.paused:
+                    error += self.after_failed_load(join.model, engine, pausing.backup, held)
+                else:
+                    error += f"; nothing loaded, v{engine.version} serving on"
                 log.error("weight sync %s failed: %s", join.group_name, error)
             else:
                 if self.quarantined.pop(join.model, None) is not None:
                     log.info("%s v%d loaded: leasing again", join.model, join.version)
             finally:
-                marks.append(("resume", time.monotonic()))
-                await engine.resume()
+                if pausing.paused:
+                    pausing.marks.append(("resume", time.monotonic()))
+                    await engine.resume()
             seconds = time.monotonic() - start
-            log_load(join, ok, [*marks, ("", start + seconds)])
+            log_load(join, ok, [*pausing.marks, ("", start + seconds)])
             self.client.send(
                 WeightsLoaded(self.id, join.model, join.version, seconds, ok, error, digest)
             )

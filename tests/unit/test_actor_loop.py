@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import pytest
 import zmq
@@ -91,7 +92,7 @@ def test_a_load_that_fails_half_way_never_leaves_half_loaded_weights_serving(
     sent: list[object] = []
     monkeypatch.setattr(actor.client, "send", sent.append)
 
-    def half_then_fail(join: JoinWeightGroup, load) -> None:  # type: ignore[no-untyped-def]
+    def half_then_fail(join: JoinWeightGroup, load, *_) -> None:  # type: ignore[no-untyped-def]
         load([("w", torch.ones(3))])  # the first bucket lands, then the learner dies
         raise WeightSyncError("peer gone")
 
@@ -121,6 +122,136 @@ def test_a_load_that_fails_half_way_never_leaves_half_loaded_weights_serving(
         for task in actor.running.values():
             task.cancel()
         await engine.close()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+@pytest.mark.parametrize("rolls_back", [True, False])
+def test_the_engine_generates_on_until_the_first_bucket_and_a_publish_failing_before_it_costs_nothing(
+    monkeypatch: pytest.MonkeyPatch, rolls_back: bool
+) -> None:
+    """The roll call and the rendezvous may wait for other members (and fail when one
+    checks in and never joins): the engine is paused only once the first bucket is in.
+    A publish that fails before that leaves the engine serving, its leases running and
+    nothing restored or quarantined (an engine that cannot roll back used to be
+    quarantined, its leases handed back, for a group it never received a byte of)."""
+    import threading
+    import time
+
+    import torch
+
+    from drmas.protocol.messages import JoinWeightGroup, LeaseReturn, WeightsLoaded
+    from drmas.transports.weights import ReceiveStats, WeightSyncError
+
+    cfg = load_config(["actor.engine.name=sim", "weights.verify_digest=false"])
+    actor = Actor(cfg, "a1")
+    sent: list[object] = []
+    monkeypatch.setattr(actor.client, "send", sent.append)
+    paused_at_first_bucket: list[bool] = []
+    rendezvous = threading.Event()  # set by the test while the receive waits in it
+
+    def fails_in_the_rendezvous(join: JoinWeightGroup, load, *_) -> ReceiveStats:  # type: ignore[no-untyped-def]
+        rendezvous.wait(10)
+        raise WeightSyncError("a member checked in and never joined")
+
+    def loads(join: JoinWeightGroup, load, *_) -> ReceiveStats:  # type: ignore[no-untyped-def]
+        paused_at_first_bucket.append(engine.paused)
+        load([("w", torch.full((3,), 2.0))])
+        paused_at_first_bucket.append(engine.paused)
+        return ReceiveStats(0.0, 12, 1, 1)
+
+    async def main() -> None:
+        nonlocal engine
+        engine = make_engine("solver", "", cfg.actor.engine_of("solver"))
+        await engine.start()
+        engine.load_weights([("w", torch.zeros(3))], 1)
+        pause, resume = engine.pause, engine.resume
+
+        async def pausing() -> None:
+            await pause()
+            engine.paused = True
+
+        async def resuming() -> None:
+            await resume()
+            engine.paused = False
+
+        engine.paused = False
+        monkeypatch.setattr(engine, "pause", pausing)
+        monkeypatch.setattr(engine, "resume", resuming)
+        actor.engines = {"solver": engine if rolls_back else InPlace(engine)}  # type: ignore[dict-item]
+        actor.running[7] = asyncio.create_task(asyncio.sleep(60))
+        actor.leases[7] = None  # type: ignore[assignment]
+        actor.started_at[7] = 0.0
+        monkeypatch.setattr(actor.receiver, "receive_into", fails_in_the_rendezvous)
+        actor.joins.append((JoinWeightGroup("solver", 2, "g", "h:1", 1, 2, 5.0), time.monotonic()))
+        syncing = asyncio.create_task(actor.sync_weights())
+        await asyncio.sleep(0.2)
+        assert not engine.paused  # generating while the receive waits in the rendezvous
+        rendezvous.set()
+        await syncing
+        loaded = [m for m in sent if isinstance(m, WeightsLoaded)]
+        assert len(loaded) == 1 and not loaded[0].ok and "nothing loaded" in loaded[0].error
+        assert engine.version == 1 and not actor.quarantined and 7 in actor.running
+        assert not any(isinstance(m, LeaseReturn) for m in sent) and not engine.paused
+        monkeypatch.setattr(actor.receiver, "receive_into", loads)
+        actor.joins.append((JoinWeightGroup("solver", 3, "g", "h:1", 1, 2, 5.0), time.monotonic()))
+        await actor.sync_weights()
+        assert paused_at_first_bucket == [False, True] and not engine.paused
+        assert engine.version == 3 and sent[-1].ok  # type: ignore[attr-defined]
+        actor.running.pop(7).cancel()
+        await engine.close()
+
+    engine: Any = None
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def test_a_shutdown_read_between_two_loads_ends_them_and_nothing_more_is_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Shutdown read while weight joins are queued: the joins after it are not loaded
+    (their learners may be gone: each would wait out its store's timeout) and no request is
+    sent after it (a GroupResult and a LeaseRequest each used to wait 30 s for a broker
+    that had exited, so an attached actor outlived the run by a minute)."""
+    from drmas.protocol.messages import JoinWeightGroup, LeaseRequest, Shutdown, WeightsLoaded
+    from drmas.transports.channel import BrokerUnavailable
+    from drmas.transports.weights import ReceiveStats
+
+    cfg = load_config(["actor.engine.name=sim", "weights.verify_digest=false"])
+    actor = Actor(cfg, "a1")
+    sent: list[object] = []
+    monkeypatch.setattr(actor.client, "send", sent.append)
+    arriving: list[list[object]] = [[], [Shutdown("training finished")]]  # one list a drain
+    drains: list[object] = []
+
+    def recv(timeout_s: float = 0) -> object:
+        if not drains and arriving:
+            drains.extend([*arriving.pop(0), None])
+        return drains.pop(0) if drains else None
+
+    monkeypatch.setattr(actor.client, "recv", recv)
+    loaded: list[str] = []
+    monkeypatch.setattr(
+        actor.receiver,
+        "receive_into",
+        lambda join, load, *_: loaded.append(join.model) or ReceiveStats(0.0, 0, 0, 0),
+    )
+
+    async def main() -> None:
+        engines = {m: make_engine(m, "", cfg.actor.engine_of(m)) for m in ("solver", "verifier")}
+        for engine in engines.values():
+            await engine.start()
+        actor.engines = engines  # type: ignore[assignment]
+        for model in engines:
+            actor.joins.append(
+                (JoinWeightGroup(model, 2, model, "h:1", 1, 2, 5.0), time.monotonic())
+            )
+        await actor.sync_weights()
+        assert loaded == ["solver"] and actor.stopping == "broker: training finished"
+        with pytest.raises(BrokerUnavailable, match="said Shutdown"):
+            await actor.ask(LeaseRequest(actor.id, 1, actor.versions()), object)  # type: ignore[arg-type]
+        assert [type(m) for m in sent] == [WeightsLoaded]  # nothing sent after the Shutdown
+        for engine in engines.values():
+            await engine.close()
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))
 

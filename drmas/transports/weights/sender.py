@@ -55,11 +55,13 @@ from drmas.transports.weights.membership import call_roll, roll_key, roster_grou
 
 log = logging.getLogger("drmas.weights")
 
-RENDEZVOUS_MIN_S = 10.0
-"""After a roll call, rank 0 waits at most max(this, 2 x weights.join_timeout_s) for the
-members' rendezvous entries (not weights.timeout_s): each member checked in and forms the
-group as soon as it reads the roster, so one that has not written its entry by then
-never will (a member that checks in and never joins cost every publish 60 s)."""
+RENDEZVOUS_MIN_S = 5.0
+"""After a roll call, rank 0 waits at most max(this, weights.join_timeout_s) for the
+members' rendezvous entries (not weights.timeout_s): each member checked in within
+join_timeout_s and writes its entry as soon as it reads the roster (nothing heavier than
+the check-in comes between), so one that has not written it by then never will. That
+wait is what a member that checks in and never joins costs a publish (it used to cost
+every publish 60 s, then one per model 10 s); rank 0 names it (PublishDone.broke)."""
 
 
 @dataclass
@@ -130,7 +132,7 @@ class WeightSender:
             self._retired.release()  # before the new rendezvous: at most one group at a time
         store = dist.PrefixStore(name, self.store)
         store.set("backend", self.backend)
-        rendezvous_s = max(RENDEZVOUS_MIN_S, 2 * self.cfg.join_timeout_s)
+        rendezvous_s = max(RENDEZVOUS_MIN_S, self.cfg.join_timeout_s)
         try:
             return Group(where, store, self.backend, self.device, token, rendezvous_s), False
         except WeightSyncError as exc:  # the rendezvous failed: name the plan's ranks
