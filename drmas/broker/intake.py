@@ -75,7 +75,7 @@ class FrameLimits:
     control: int
     group: int
     bytes_per_s: int
-    held: int = 64 * 1024 * 1024
+    held: int = 48 * 1024 * 1024
     """broker.max_held_bytes: what all connections together may make libzmq hold unread."""
     curve: bool = False
 

@@ -104,12 +104,15 @@ class BrokerConfig:
     one is refused (`too_large`) before decoding."""
     max_hello_bytes: Positive = 16 * 1024
     """Largest frame before a Hello, and from an observer (a Hello or a StatusRequest)."""
-    max_held_bytes: Positive = 64 * 1024 * 1024
+    max_held_bytes: Positive = 48 * 1024 * 1024
     """What all connections together may make ZeroMQ hold for messages the broker has not
     read yet, counted at the worst case: 32 bytes per unread byte without CURVE, 2 with.
     Over it, while the broker's memory also grew past it, the connections holding the most
-    (never a learner's) are shut (`dropped/memory_budget`; they may reconnect). Raise it
-    if honest actors send groups larger than this / 32 at once (CURVE: / 2)."""
+    (never a learner's) are shut (`dropped/memory_budget`; they may reconnect). A flood
+    peaks at about this plus what libzmq assembles before the shut takes effect (+40 to
+    +60 MB on 2 cores), so the 48 MiB default keeps it under 128 MB (64 MiB reached
+    +122 to +131 MB). Raise it if honest actors send groups larger than this / 32 at once
+    (CURVE: / 2), or together more than this while the broker is slow to read them."""
     max_peer_bytes_per_s: Positive = 64 * 1024 * 1024
     """Bytes per second one peer may send, sustained (bursts up to twice its largest
     frame, or two seconds of it); beyond it frames are refused (`over_budget`) before
