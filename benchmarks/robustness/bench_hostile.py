@@ -12,8 +12,9 @@ each leaving a message of 23,000 empty parts unfinished; 7, three actors each le
 of 11 M parts) against a real broker
 process on loopback (`BrokerServer.serve`), each measured by the broker's resident memory
 (before, its peak during the attack: VmHWM reset through /proc/PID/clear_refs, and after),
-its CPU seconds, its counters, and an honest actor in its own process asking for a lease
-every 100 ms throughout (answered or not, and how long it waited). `handle`: the earlier
+its CPU seconds, its counters, an honest actor in its own process asking for a lease
+every 100 ms throughout (answered or not, and how long it waited), and an honest
+`drmas status` (a fresh observer's StatusRequest every 0.5 s, goal: answered within 1 s). `handle`: the earlier
 cases sent through `BrokerServer.handle` in this process (no socket in between), with the
 refusals, wall time, largest reply and log line, memory and the sizes of the state that
 used to grow.
@@ -213,6 +214,32 @@ def honest_actor(address: str, stop: Any, conn: Any) -> None:
         time.sleep(max(0.0, 0.1 - (time.time() - sent)))
     conn.send(log)
     sock.close()
+    ctx.term()
+
+
+def honest_observer(address: str, stop: Any, conn: Any) -> None:
+    """`drmas status` as an operator runs it, in its own process: every 0.5 s a fresh
+    observer connection (status is rate-limited per peer) sends a StatusRequest and waits
+    up to 30 s. Sends back [(time sent, seconds to the StatusReply or None)]."""
+    ctx = zmq.Context()
+    log: list[tuple[float, float | None]] = []
+    n = 0
+    while not stop.is_set():
+        n += 1
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"observer-{n}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sent, waited = time.time(), None
+        sock.send(encode(StatusRequest()))
+        while sock.poll(max(1, int(1000 * (30 - (time.time() - sent))))):
+            if isinstance(decode_from_broker(sock.recv()), StatusReply):
+                waited = time.time() - sent
+                break
+        sock.close()
+        log.append((sent, waited))
+        time.sleep(max(0.0, 0.5 - (time.time() - sent)))
+    conn.send(log)
     ctx.term()
 
 
@@ -441,6 +468,9 @@ def run_attacks(parts: int, only: set[str] | None = None) -> dict:
     actor_here, actor_there = spawn.Pipe()
     actor = spawn.Process(target=honest_actor, args=(address, stop, actor_there))
     actor.start()
+    observer_here, observer_there = spawn.Pipe()
+    observer = spawn.Process(target=honest_observer, args=(address, stop, observer_there))
+    observer.start()
     ctx = zmq.Context()
     broker = Broker(proc.pid or 0, address, ctx)
     time.sleep(2)
@@ -491,10 +521,13 @@ def run_attacks(parts: int, only: set[str] | None = None) -> dict:
         stop.set()
         log = actor_here.recv() if actor_here.poll(60) else []
         actor.join(30)
+        statuses = observer_here.recv() if observer_here.poll(60) else []
+        observer.join(30)
         proc.terminate()
         proc.join(60)
         ctx.destroy(linger=0)
     honest_actor_served(out, windows, log)
+    status_answered(out, windows, statuses)
     return out
 
 
@@ -514,6 +547,21 @@ def honest_actor_served(
         "lease_requests": len(tail),
         "answered": sum(s is not None for s in tail),
     }
+
+
+def status_answered(
+    out: dict, windows: dict[str, tuple[float, float]], log: list[tuple[float, float | None]]
+) -> None:
+    """The honest observer's StatusRequests during each attack's window (goal: each
+    answered within 1 s)."""
+    for name, (start, end) in windows.items():
+        waits = [w for t, w in log if start <= t <= end]
+        answered = [w for w in waits if w is not None]
+        out["cases"][name]["honest_status"] = {
+            "requests": len(waits), "answered": len(answered),
+            "within_1s": sum(w <= 1.0 for w in answered),
+            "max_wait_s": round(max(answered, default=0.0), 3),
+        }  # fmt: skip
 
 
 def main() -> int:
