@@ -49,6 +49,7 @@ from drmas.broker.wire_watch import (
     Budget,
     WireWatch,
 )
+from drmas.config.broker import BrokerConfig
 
 _NOBLOCK = int(zmq.NOBLOCK)
 STRIKES = 8
@@ -75,7 +76,7 @@ class FrameLimits:
     control: int
     group: int
     bytes_per_s: int
-    held: int = 48 * 1024 * 1024
+    held: int = BrokerConfig.max_held_bytes  # the one default, the config's
     """broker.max_held_bytes: what all connections together may make libzmq hold unread."""
     curve: bool = False
 
