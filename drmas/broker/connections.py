@@ -21,11 +21,13 @@ observe). `shut` is how the intake drops a peer.
 Connections whose messages never named a registered client (before their Hello, or an
 observer's) are capped too, `max_unwelcomed`: each can make libzmq hold about 1.5 MB of a
 message the broker cannot read yet (wire_watch.py), and 240 of them held 348 MB at once.
-At the cap a new connection closes the oldest such one of the host that holds the most of
-them (`dropped/unwelcomed_cap`): at once if that is another host, else if it has been open
-for over UNWELCOMED_GRACE_S (an honest client says Hello within milliseconds of
-connecting); otherwise the newcomer is closed (`refused/unwelcomed_cap`; a ZeroMQ client
-reconnects after its reconnect interval). Each TCP connection it admits, and each
+At the cap a new connection closes one such connection of the host that holds the most of
+them (`dropped/unwelcomed_cap`): its oldest that has sent nothing, else its oldest. The
+newcomer always gets in, so a host that keeps opening connections churns through its own
+and a client beside it (`drmas status` on the flooding host) has the time the flood takes
+to open `max_unwelcomed` more to say something; refusing newcomers while the cap's
+connections were young kept every newcomer from that host out for as long as the flood
+lasted. Each TCP connection it admits, and each
 one gone, it also reports to the intake's WireWatch (drmas/broker/wire_watch.py), which
 bounds the bytes libzmq holds for a connection before the broker can read them.
 """
@@ -85,6 +87,7 @@ class ConnectionCap:
         # set by the intake: whether a connection's messages named a registered client, and
         # the broker's counters
         self.welcomed: Callable[[int], bool] = lambda _fd: False
+        self.spoke: Callable[[int], bool] = lambda _fd: False  # any message read from it
         self.on_gone: Callable[[int], None] = lambda _fd: None
         # (set by the broker) how idle a connection is, lowest first to be shut when its
         # host is at the cap; None: never shut for a newcomer (a learner, a busy actor)
@@ -150,8 +153,7 @@ class ConnectionCap:
                 with contextlib.suppress(OSError):
                     dup.shutdown(socket.SHUT_RDWR)
                 return
-        if not self._room_for_unwelcomed(fd, host):
-            return
+        self._room_for_unwelcomed(fd, host)
         self.open[fd] = host
         self.opened_at[fd] = time.monotonic()
         self.per_host[host] += 1
@@ -185,29 +187,22 @@ class ConnectionCap:
         self.open[fd] = ""  # ... so it leaves `open` under no host
         return True
 
-    def _room_for_unwelcomed(self, fd: int, host: str) -> bool:
-        """At max_unwelcomed connections without a registered client, make room or refuse
-        `fd` (False): the host holding the most of them loses its oldest, at once when the
-        newcomer is another host's (one host cannot keep the others out), else only if it
-        has been open for over UNWELCOMED_GRACE_S."""
+    def _room_for_unwelcomed(self, fd: int, host: str) -> None:
+        """At max_unwelcomed connections without a registered client, close one to make
+        room for `fd`: of the host holding the most of them (the newcomer's host on a tie),
+        the oldest that has sent nothing, else the oldest."""
         unwelcomed = [f for f in self.open if f not in self.evicted and not self.welcomed(f)]
         if len(unwelcomed) < self.max_unwelcomed:
-            return True
+            return
         per_host = collections.Counter(self.open[f] for f in unwelcomed)
         hog = max(per_host, key=lambda h: (per_host[h], h == host))
         oldest = min(
-            (f for f in unwelcomed if self.open[f] == hog), key=lambda f: self.opened_at[f]
+            (f for f in unwelcomed if self.open[f] == hog),
+            key=lambda f: (self.spoke(f), self.opened_at[f]),
         )
-        age = time.monotonic() - self.opened_at[oldest]
-        if hog != host or age > UNWELCOMED_GRACE_S:
-            self.counters["dropped/unwelcomed_cap"] += 1
-            self.shut(oldest)
-            self.evicted.add(oldest)  # shut once; it leaves `open` when it is gone
-            return True
-        self.counters["refused/unwelcomed_cap"] += 1
-        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as dup:
-            dup.shutdown(socket.SHUT_RDWR)
-        return False
+        self.counters["dropped/unwelcomed_cap"] += 1
+        self.shut(oldest)
+        self.evicted.add(oldest)  # shut once; it leaves `open` when it is gone
 
     def admit_key(self, fd: int, frame: zmq.Frame) -> bool:
         """A message arrived on connection `fd`: False if its CURVE key holds too many

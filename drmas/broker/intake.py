@@ -140,6 +140,7 @@ class Intake:
         connections.watch = self.watch
         connections.counters = counters
         connections.welcomed = self._welcomed
+        connections.spoke = lambda fd: fd in self.identity_at
         connections.idle_rank = self._idle_rank
         connections.on_gone = self._gone
         self.identity_at: dict[int, bytes] = {}  # connection (fd) -> identity its messages named

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ import yaml
 import zmq
 
 if TYPE_CHECKING:
+    from drmas.config.transport import SecurityConfig
     from drmas.protocol.messages import StatusReply
 
 
@@ -112,47 +114,68 @@ def print_status(
     return 0
 
 
+RETRY_S = (0.2, 2.0)
+"""`drmas status`'s first and longest wait (doubling) before it asks again on a fresh
+connection, after the broker closed its connection without answering."""
+
+
 def ask_status(
     address: str, timeout_s: float, keys_dir: str, client_name: str
 ) -> StatusReply | int:
-    """The broker's StatusReply, or the exit code after printing why there is none."""
+    """The broker's StatusReply, or the exit code after printing why there is none.
+    A connection the broker closes before answering (a cap full of others' connections)
+    is tried again on a fresh one, until `timeout_s` is spent."""
     from drmas.config.transport import SecurityConfig
-    from drmas.protocol.messages import StatusReply, StatusRequest
-    from drmas.transports.channel import (
-        HELLO_CLOSES,
-        BrokerClient,
-        BrokerRefused,
-        BrokerUnavailable,
-    )
+    from drmas.transports.channel import BrokerRefused, BrokerUnavailable
     from drmas.transports.security import SecurityError, find_client
 
     if keys_dir and not client_name:  # any authorised pair may ask; prefer "default"
         client_name = find_client(Path(keys_dir).expanduser().resolve())
     security = SecurityConfig(curve=bool(keys_dir), keys_dir=keys_dir, client_name=client_name)
-    try:
-        client = BrokerClient(address, f"status-{os.getpid()}", security=security)
-    except SecurityError as exc:
-        print(f"drmas status: {exc}", file=sys.stderr)
-        return 2
-    except zmq.ZMQError as exc:  # not an address ZeroMQ can connect to
-        print(
-            f"drmas status: cannot connect to {address!r} ({exc}); pass a broker address "
-            "such as tcp://127.0.0.1:5555, or a run folder",
-            file=sys.stderr,
-        )
-        return 2
     # a plain client at a CURVE broker times out, or sees its connection closed three times
     # (how soon depends on the machine's speed): either way, the way out is --keys
     hint = "" if keys_dir else " (a broker with security.curve=true answers only with --keys DIR)"
+    deadline = time.monotonic() + timeout_s
+    wait, attempt = RETRY_S[0], 0
+    while True:
+        attempt += 1
+        try:
+            return _ask_once(address, f"status-{os.getpid()}-{attempt}", security, deadline)
+        except SecurityError as exc:
+            print(f"drmas status: {exc}", file=sys.stderr)
+            return 2
+        except zmq.ZMQError as exc:  # not an address ZeroMQ can connect to
+            print(
+                f"drmas status: cannot connect to {address!r} ({exc}); pass a broker address "
+                "such as tcp://127.0.0.1:5555, or a run folder",
+                file=sys.stderr,
+            )
+            return 2
+        except BrokerUnavailable as exc:
+            print(f"drmas status: {exc}{hint}", file=sys.stderr)
+            return 1
+        except BrokerRefused as exc:  # e.g. closed at a connection cap, with which one
+            if exc.code == "closed" and time.monotonic() + wait < deadline:
+                time.sleep(wait)  # the cap may have room by then: ask on a fresh connection
+                wait = min(2 * wait, RETRY_S[1])
+                continue
+            tries = f" ({attempt} connections in {timeout_s:g} s)" if attempt > 1 else ""
+            print(
+                f"drmas status: {exc}{tries}{hint if exc.code == 'closed' else ''}", file=sys.stderr
+            )
+            return 1
+
+
+def _ask_once(address: str, name: str, security: SecurityConfig, deadline: float) -> StatusReply:
+    """One StatusRequest on a fresh connection, answered before `deadline` or raised."""
+    from drmas.protocol.messages import StatusReply, StatusRequest
+    from drmas.transports.channel import HELLO_CLOSES, BrokerClient
+
+    client = BrokerClient(address, name, security=security)
     try:
         # closed at once (a connection cap) is said so, not left to time out
-        return client.request(StatusRequest(), StatusReply, timeout_s, max_closes=HELLO_CLOSES)
-    except BrokerUnavailable as exc:
-        print(f"drmas status: {exc}{hint}", file=sys.stderr)
-        return 1
-    except BrokerRefused as exc:  # e.g. closed at a connection cap, with which one
-        print(f"drmas status: {exc}{hint if exc.code == 'closed' else ''}", file=sys.stderr)
-        return 1
+        left = max(0.001, deadline - time.monotonic())
+        return client.request(StatusRequest(), StatusReply, left, max_closes=HELLO_CLOSES)
     finally:
         client.close()
 

@@ -284,8 +284,8 @@ class BrokerClient:
             else "failed the handshake (is security.curve the same here as the broker's?)"
             if zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL in self._events
             else "is at a connection cap (broker.max_connections_per_host, "
-            "broker.max_connections, or the CURVE key's); close other connections from "
-            "this host or raise the cap"
+            "broker.max_connections, broker.max_unwelcomed_connections, or the CURVE "
+            "key's); close other connections from this host or raise the cap"
         )
         return BrokerRefused(
             f"the broker at {self.address} closed the connection {closes} times before "

@@ -136,8 +136,47 @@ def test_status_at_a_connection_cap_says_so_instead_of_did_not_answer(
         learner = BrokerClient(srv.address, "learner-solver-0")  # the host's one connection
         try:
             learner.hello("learner", ["solver"], timeout_s=30, rank=0, world_size=1)
-            code = main(["status", srv.address, "--timeout", "30"])
+            code = main(["status", srv.address, "--timeout", "3"])  # asked on, then refused
         finally:
             learner.close()
     err = capsys.readouterr().err
     assert code != 0 and "broker.max_connections_per_host" in err, err
+
+
+def test_status_refused_at_a_cap_asks_again_on_a_fresh_connection_until_its_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host's one connection is the learner's: the first ask is closed three times
+    and refused. Once the learner has gone, the next ask, on a fresh connection, is
+    answered within the same --timeout (it used to give up at the first refusal: a flood
+    of connections from `drmas status`'s own host kept it from ever being answered)."""
+    import drmas.launch.status as status
+    from drmas.transports.channel import BrokerClient, BrokerRefused
+    from tests.fixtures.broker_server import serving_broker
+
+    refused, asks = threading.Event(), []
+    ask_once = status._ask_once
+
+    def watched(*args: object) -> StatusReply:
+        asks.append(args[1])
+        try:
+            return ask_once(*args)  # type: ignore[arg-type]
+        except BrokerRefused:
+            refused.set()
+            raise
+
+    monkeypatch.setattr(status, "_ask_once", watched)
+    with serving_broker(tmp_path, "broker.max_connections_per_host=1") as srv:
+        learner = BrokerClient(srv.address, "learner-solver-0")  # the host's one connection
+        learner.hello("learner", ["solver"], timeout_s=30, rank=0, world_size=1)
+        codes: list[int] = []
+        asker = threading.Thread(
+            target=lambda: codes.append(main(["status", srv.address, "--timeout", "120"]))
+        )
+        asker.start()
+        try:
+            assert refused.wait(120), "the first ask was never refused"
+        finally:
+            learner.close()
+        asker.join(150)
+    assert codes == [0] and len(asks) >= 2 and len(set(asks)) == len(asks), (codes, asks)

@@ -5,6 +5,7 @@ while an honest peer is still answered."""
 
 from __future__ import annotations
 
+import select
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,13 +13,13 @@ from pathlib import Path
 import pytest
 import zmq
 
-import drmas.broker.connections as cn
 import drmas.broker.wire_watch as ww
 from drmas.broker.server import BrokerServer
 from drmas.broker.wire_watch import PART_OVERHEAD, SLACK, Budget, WireWatch
+from drmas.protocol.codec import encode
 from drmas.protocol.messages import StatusReply, StatusRequest, Welcome
 from tests.fixtures.broker_server import broker_server
-from tests.fixtures.zmtp import EMPTY_PART, RawZmtp
+from tests.fixtures.zmtp import EMPTY_PART, RawZmtp, frame
 from tests.unit.test_broker_gate import Peer
 
 ALLOWANCE = 1000
@@ -371,15 +372,17 @@ def test_many_connections_within_their_allowances_are_held_to_the_broker_budget(
         ops.close()
 
 
-def test_connections_without_a_hello_are_capped_and_the_oldest_make_room(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_connections_without_a_hello_are_capped_and_the_oldest_silent_make_room(
+    tmp_path: Path,
 ) -> None:
     """broker.max_unwelcomed_connections=4. A welcomed actor does not count. Four raw
-    connections that never say Hello fill the cap; a fifth from the same host, while
-    they are younger than the grace, is closed itself (`refused/unwelcomed_cap`); once
-    the grace has passed, a newcomer closes the oldest of them (`dropped/unwelcomed_cap`)
-    and the actor is still served. (The grace is set, not waited for: 1e9 s, then 0.)"""
-    monkeypatch.setattr(cn, "UNWELCOMED_GRACE_S", 1e9)
+    connections without a Hello fill the cap, the oldest of which asks for the status (it
+    has spoken). A fifth from the same host gets in at once however young they are, and
+    the oldest that has sent nothing is closed for it (`dropped/unwelcomed_cap`); the one
+    that spoke is closed only once no silent one is left. The actor is served throughout.
+    (The cap used to refuse a same-host newcomer while the cap's connections were younger
+    than a second, so a host opening connections faster than that kept `drmas status` on
+    it out for as long as it went on.)"""
     with broker_server(tmp_path, "broker.max_unwelcomed_connections=4") as server:
         counters = server.state.counters
 
@@ -395,16 +398,24 @@ def test_connections_without_a_hello_are_capped_and_the_oldest_make_room(
         for n in range(4):
             squatters.append(RawZmtp(server.address))
             until(lambda n=n: len(server.connections.open) == n + 2)  # in order of age
-        late = RawZmtp(server.address)
-        until(lambda: counters["refused/unwelcomed_cap"] == 1)
-        assert late.closed_by_peer(10.0)
-        assert not any(raw.closed_by_peer(0) for raw in squatters)
-        monkeypatch.setattr(cn, "UNWELCOMED_GRACE_S", 0.0)
-        newcomer = RawZmtp(server.address)
+        squatters[0].send(frame(encode(StatusRequest())))
+
+        until(lambda: bool(select.select([squatters[0].sock], [], [], 0)[0]))  # answered
+        newcomers = [RawZmtp(server.address)]
         until(lambda: counters["dropped/unwelcomed_cap"] == 1)
-        assert squatters[0].closed_by_peer(10.0)
-        assert not any(raw.closed_by_peer(0) for raw in [*squatters[1:], newcomer])
+        assert squatters[1].closed_by_peer(10.0)
+        assert not any(raw.closed_by_peer(0) for raw in [squatters[0], *squatters[2:]])
+        for n in range(2, 4):  # two more: the silent squatters go, the one that spoke stays
+            newcomers.append(RawZmtp(server.address))
+            until(lambda n=n: counters["dropped/unwelcomed_cap"] == n)
+            assert squatters[n].closed_by_peer(10.0)
+        assert not squatters[0].closed_by_peer(0)
+        newcomers.append(RawZmtp(server.address))  # only newcomers are silent now: the oldest
+        until(lambda: counters["dropped/unwelcomed_cap"] == 4)
+        assert newcomers[0].closed_by_peer(10.0)
+        assert not any(raw.closed_by_peer(0) for raw in [squatters[0], *newcomers[1:]])
+        assert counters["refused/unwelcomed_cap"] == 0
         assert isinstance(actor.ask(StatusRequest()), StatusReply)
-        for raw in [*squatters, late, newcomer]:
+        for raw in [*squatters, *newcomers]:
             raw.close()
         actor.close()
