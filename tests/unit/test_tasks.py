@@ -66,6 +66,32 @@ def test_arithmetic_refuses_impossible_sizes() -> None:
     assert len({p.question for p in val}) == 7 and len(train) == 10
 
 
+@pytest.mark.parametrize("ops", ["+", "-"])
+def test_arithmetic_with_one_operator_uses_only_it_and_counts_its_questions(ops: str) -> None:
+    """task.ops="+" (or "-"): every question, held out or not, uses that operator only;
+    the question space is (max_operand + 1)^(num_ops + 1), so 100 held-out questions of 0..9
+    with one operator leave no training question, and 99 leave one."""
+    train, val = arithmetic.generate(500, 60, 9, 2, seed=0, ops=ops)
+    other = "-" if ops == "+" else "+"
+    assert all(other not in p.question and p.answer == str(_eval(p.question)) for p in train + val)
+    assert len({p.question for p in val}) == 60
+    assert arithmetic.question_space(9, 1, ops) == 100
+    with pytest.raises(ValueError, match="ops="):
+        arithmetic.generate(10, 100, 9, 1, seed=0, ops=ops)
+    train, val = arithmetic.generate(10, 99, 9, 1, seed=0, ops=ops)
+    assert len({p.question for p in train}) == 1
+
+
+def test_arithmetic_with_both_operators_draws_the_tasks_it_always_drew() -> None:
+    """The default ("+-") keeps every earlier run's tasks: the first questions of seed 0
+    (operands 0..19), written down before `task.ops` existed."""
+    train, val = arithmetic.generate(3, 2, 19, 1, seed=0)
+    assert [p.question for p in val] == ["7+18", "9+9"]
+    assert arithmetic.generate(3, 2, 19, 1, seed=0, ops="+-") == (train, val)
+    with pytest.raises(ValueError, match=r"task\.ops"):
+        arithmetic.generate(3, 2, 19, 1, seed=0, ops="*")
+
+
 # ----------------------------------------------------------------- task source
 def _cfg(**kw: object) -> TaskConfig:
     base: dict[str, object] = {"num_train": 20, "num_val": 5, "seed": 7}
