@@ -52,6 +52,15 @@ CASES: dict[str, tuple[str, ...]] = {
                        f"workflow.reward_scale.verifier={c}")
         for c in ("1", "0.3", "0.1", "0.03")
     },
+    # lemma_smol_half (study_lemma.py): SmolLM2-135M, one LoRA adapter shared by Solver and
+    # Verifier, additions of 0..14, the Verifier paid x0.1; 32 groups (a SmolLM2 episode
+    # costs about as much as a hundred of the tiny model's)
+    "smol_half_role_scaled": (
+        "experiment=smol_math", "workflow.rewards=role", "algorithm.invalid_action_penalty=0",
+        "agents.verifier.adapter=solver", "task.ops=+", "task.max_operand=14", "task.num_val=128",
+        "workflow.reward_scale.verifier=0.1", "probe.groups=32",
+        "probe.baselines=[global,step_global,agent_centred,agent_shifted]",
+    ),
 }  # fmt: skip
 """Case -> the overrides of its `drmas probe` (64 groups, seed 0 unless they say)."""
 

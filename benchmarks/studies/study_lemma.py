@@ -25,6 +25,8 @@ gradients meet in the same parameters:
 - `lemma_smol`: the real model, SmolLM2-135M, with one LoRA adapter shared by both agents
   (agents.verifier.adapter=solver), the Verifier scaled by 0.1: `agent` against
   `step_global`.
+- `lemma_smol_half`: the same on a task its Solver solves about half the time
+  (task.ops=+, task.max_operand=14), probed first (probe_teams.py --only smol_half_role_scaled).
 - `lemma_search`: search_tiny with role rewards (the Search Agent is called several
   times per episode): `agent` against `agent_turn` and `step_global`.
 
@@ -72,6 +74,11 @@ SMOL = (
     "algorithm.max_staleness=0", "train.steps=20",
     "val.every=1000", "val.num_tasks=128", "val.n=4", "val.k=4",
 )  # fmt: skip
+SMOL_HALF = (*SMOL, "task.ops=+", "task.max_operand=14", "task.num_val=128")
+"""`lemma_smol` on a task its Solver solves about half the time: additions of 0..14 (225
+questions, 128 held out). The base model scored 0.44 +- 0.06 on 64 of them (T 0.8, team
+reward), against 0.23 for additions of 0..29 and 0.37 for 0..9 with subtraction (which it
+gets right 1 time in 67)."""
 EIGHT = tuple(range(8))
 
 PLAN = (
@@ -86,12 +93,18 @@ PLAN = (
     # asked for at least; seed 4 is a fifth pair, run where time allows
     Group("lemma_smol", SMOL, (), ("agent", "step_global"), (0, 1, 2, 3, 4), 60.0, 20.0,
           half="lemma"),
+    # minutes: the lemma_smol runs' (the same model, steps and validation)
+    Group("lemma_smol_half", SMOL_HALF, (), ("agent", "step_global"), EIGHT, 60.0, 20.0,
+          half="lemma"),
     Group("lemma_search", (*SEARCH, "workflow.rewards=role"), ("verifier", "searcher", "answerer"),
           ("agent", "agent_turn", "step_global"), (0, 1, 2, 3, 4), 7.1, 1.0, half="lemma"),
 )  # fmt: skip
-PER_SEED = {"lemma_smol": "models.base.lora.init_seed={seed}"}
+PER_SEED = {
+    "lemma_smol": "models.base.lora.init_seed={seed}",
+    "lemma_smol_half": "models.base.lora.init_seed={seed}",
+}
 """An override that follows the seed beyond the warm starts run_one seeds."""
-METRIC = {"lemma_smol": "val/avg@4"}
+METRIC = {"lemma_smol": "val/avg@4", "lemma_smol_half": "val/avg@4"}
 """The held-out metric each group compares (val/avg@8 unless named here)."""
 
 
