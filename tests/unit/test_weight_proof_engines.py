@@ -21,8 +21,6 @@ from drmas.actors.engines import make_engine
 from drmas.actors.engines.expected import expected_for, folder_expected, pack
 from drmas.actors.main import Actor
 from drmas.config import load_config
-from drmas.config.model import WarmStartConfig
-from drmas.models.builtin import resolve_model_path
 from drmas.protocol.messages import JoinWeightGroup, LeaseReturn, WeightsLoaded
 from drmas.transports.digest import digest_of
 from drmas.transports.weights import Header, WeightSender, check_covers, spec_of
@@ -41,40 +39,29 @@ class Tampering(Pipeline):
         super().push(tensor, what)
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cache = tmp_path_factory.mktemp("cache")
-    return resolve_model_path("builtin:tiny-qwen2", str(cache), WarmStartConfig(steps=0))
-
-
-@pytest.fixture
-def sender():
-    from drmas.config.transport import WeightSyncConfig
-
-    s = WeightSender(WeightSyncConfig(host="127.0.0.1", timeout_s=10.0))
-    yield s
-    s.close()
-
-
-def learner_specs(model_path: Path) -> list[tuple[str, torch.Tensor]]:
+def learner_specs(tiny_qwen_folder: Path) -> list[tuple[str, torch.Tensor]]:
     """What learner rank 0 publishes for this folder: its named_parameters, in bf16."""
     from transformers import AutoModelForCausalLM
 
     from drmas.learners.model_io import hf_name
 
-    lm = AutoModelForCausalLM.from_pretrained(model_path)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_qwen_folder)
     torch.manual_seed(1)
     return [
         (hf_name(n), torch.randn_like(p, dtype=torch.bfloat16)) for n, p in lm.named_parameters()
     ]
 
 
-def test_the_hf_engine_and_the_folder_expect_exactly_what_the_learner_sends(model_path) -> None:
-    sent = learner_specs(model_path)
+def test_the_hf_engine_and_the_folder_expect_exactly_what_the_learner_sends(
+    tiny_qwen_folder,
+) -> None:
+    sent = learner_specs(tiny_qwen_folder)
     header = Header(2**20, [spec_of(n, t) for n, t in sent])
 
     async def main() -> None:
-        engine = make_engine("solver", str(model_path), load_config([]).actor.engine_of("solver"))
+        engine = make_engine(
+            "solver", str(tiny_qwen_folder), load_config([]).actor.engine_of("solver")
+        )
         await engine.start()
         join = JoinWeightGroup("solver", 1, "g", "h:1", 1, 2, 5.0)
         expected = expected_for(engine, join)
@@ -85,12 +72,14 @@ def test_the_hf_engine_and_the_folder_expect_exactly_what_the_learner_sends(mode
         await engine.close()
 
     asyncio.run(asyncio.wait_for(main(), timeout=60))
-    folder = folder_expected(str(model_path))
+    folder = folder_expected(str(tiny_qwen_folder))
     assert folder is not None
     check_covers(header, folder, "g")  # sim and vLLM expect the same set
 
 
-def run_join(actor: Actor, sender: WeightSender, join: JoinWeightGroup, state, engine) -> list:
+def run_join(
+    actor: Actor, weight_sender: WeightSender, join: JoinWeightGroup, state, engine
+) -> list:
     """The actor takes `join` while rank 0 publishes `state` to it; returns what it sent."""
     sent: list[Any] = []
     actor.client.send = sent.append  # type: ignore[method-assign]
@@ -98,7 +87,9 @@ def run_join(actor: Actor, sender: WeightSender, join: JoinWeightGroup, state, e
 
     def publish() -> None:
         try:
-            sender.publish(join.group_name, 2, state, 10.0, token=join.token, version=join.version)
+            weight_sender.publish(
+                join.group_name, 2, state, 10.0, token=join.token, version=join.version
+            )
         except WeightSyncError as exc:
             errors.append(exc)
 
@@ -121,16 +112,16 @@ def run_join(actor: Actor, sender: WeightSender, join: JoinWeightGroup, state, e
 
 
 def test_a_tampered_publish_never_goes_live_on_the_hf_engine(
-    model_path, sender, monkeypatch
+    tiny_qwen_folder, weight_sender, monkeypatch
 ) -> None:
     monkeypatch.setattr(sender_module, "Pipeline", Tampering)
     cfg = load_config([])
     actor = Actor(cfg, "a1")
-    engine = make_engine("solver", str(model_path), cfg.actor.engine_of("solver"))
+    engine = make_engine("solver", str(tiny_qwen_folder), cfg.actor.engine_of("solver"))
     asyncio.run(engine.start())
     before = engine.weights_digest()
-    join = JoinWeightGroup("solver", 1, "g-hf", sender.store_address, 1, 2, 10.0, "tok")
-    sent = run_join(actor, sender, join, learner_specs(model_path), engine)
+    join = JoinWeightGroup("solver", 1, "g-hf", weight_sender.store_address, 1, 2, 10.0, "tok")
+    sent = run_join(actor, weight_sender, join, learner_specs(tiny_qwen_folder), engine)
     loaded = [m for m in sent if isinstance(m, WeightsLoaded)]
     assert len(loaded) == 1 and not loaded[0].ok
     assert "digest" in loaded[0].error and "restored" in loaded[0].error
@@ -139,21 +130,21 @@ def test_a_tampered_publish_never_goes_live_on_the_hf_engine(
 
 
 def test_a_partial_header_is_refused_by_the_actor_before_loading(
-    model_path, sender, monkeypatch
+    tiny_qwen_folder, weight_sender, monkeypatch
 ) -> None:
     """The attack of the issue, through the actor: 1 of the model's tensors, NaN-filled."""
     cfg = load_config([])
     actor = Actor(cfg, "a1")
-    engine = make_engine("solver", str(model_path), cfg.actor.engine_of("solver"))
+    engine = make_engine("solver", str(tiny_qwen_folder), cfg.actor.engine_of("solver"))
     asyncio.run(engine.start())
     before = engine.weights_digest()
     loads: list[int] = []
     original = engine.load_weights
     engine.load_weights = lambda t, v: (loads.append(v), original(t, v))  # type: ignore[method-assign]
-    name, tensor = learner_specs(model_path)[0]
+    name, tensor = learner_specs(tiny_qwen_folder)[0]
     nan = [(name, torch.full_like(tensor, float("nan")))]
-    join = JoinWeightGroup("solver", 1, "g-part", sender.store_address, 1, 2, 5.0)
-    sent = run_join(actor, sender, join, nan, engine)
+    join = JoinWeightGroup("solver", 1, "g-part", weight_sender.store_address, 1, 2, 5.0)
+    sent = run_join(actor, weight_sender, join, nan, engine)
     loaded = [m for m in sent if isinstance(m, WeightsLoaded)]
     assert len(loaded) == 1 and not loaded[0].ok and "missing" in loaded[0].error
     assert loads == []  # not a byte reached the model
@@ -163,7 +154,7 @@ def test_a_partial_header_is_refused_by_the_actor_before_loading(
 
 @pytest.mark.parametrize("rolls_back", [True, False])
 def test_a_tampered_publish_rolls_back_sim_and_quarantines_an_in_place_engine(
-    sender, monkeypatch, rolls_back: bool
+    weight_sender, monkeypatch, rolls_back: bool
 ) -> None:
     monkeypatch.setattr(sender_module, "Pipeline", Tampering)
     cfg = load_config(["actor.engine.name=sim"])
@@ -173,8 +164,10 @@ def test_a_tampered_publish_rolls_back_sim_and_quarantines_an_in_place_engine(
     sim.load_weights([("w", torch.zeros(3))], 1)  # serving v1
     before = sim.weights_digest()
     engine = sim if rolls_back else InPlace(sim)
-    join = JoinWeightGroup("solver", 2, f"g-sim-{rolls_back}", sender.store_address, 1, 2, 10.0)
-    sent = run_join(actor, sender, join, [("w", torch.ones(3))], engine)
+    join = JoinWeightGroup(
+        "solver", 2, f"g-sim-{rolls_back}", weight_sender.store_address, 1, 2, 10.0
+    )
+    sent = run_join(actor, weight_sender, join, [("w", torch.ones(3))], engine)
     loaded = [m for m in sent if isinstance(m, WeightsLoaded)]
     assert len(loaded) == 1 and not loaded[0].ok and "digest" in loaded[0].error
     if rolls_back:
@@ -187,7 +180,7 @@ def test_a_tampered_publish_rolls_back_sim_and_quarantines_an_in_place_engine(
 
 
 def vllm_receive(
-    sender: WeightSender, join: JoinWeightGroup, state, expected, packed: bool = False
+    weight_sender: WeightSender, join: JoinWeightGroup, state, expected, packed: bool = False
 ) -> tuple[dict[str, Any], Any]:
     """One DrmasWorkerExtension.drmas_receive_weights in a fake vLLM worker (the mixin on
     a class with what it needs of vLLM's Worker) while rank 0 publishes `state`; `packed`:
@@ -210,7 +203,7 @@ def vllm_receive(
 
     def publish() -> None:
         with contextlib.suppress(WeightSyncError):  # the refused cases fail rank 0 too
-            sender.publish(join.group_name, 2, state, 10.0)
+            weight_sender.publish(join.group_name, 2, state, 10.0)
 
     worker = FakeVllmWorker()
     thread = threading.Thread(target=publish, daemon=True)
@@ -220,26 +213,28 @@ def vllm_receive(
     return reply, worker
 
 
-def test_vllm_workers_refuse_a_partial_header_and_tampered_bytes(sender, monkeypatch) -> None:
+def test_vllm_workers_refuse_a_partial_header_and_tampered_bytes(
+    weight_sender, monkeypatch
+) -> None:
     """The worker side of the vllm engine: a header naming 1 of 2 expected tensors never
     reaches vLLM's reload; tampered bytes fail the reload at its end (before the engine
     resumes), and the error comes back in the reply, which VLLMEngine raises, so the
     actor quarantines the engine (the in-place case above)."""
     linear = [("weight", torch.zeros(4, 4)), ("bias", torch.zeros(4))]
     state = [("weight", torch.full((4, 4), 2.0))]
-    join = JoinWeightGroup("m", 1, "g-vllm-partial", sender.store_address, 1, 2, 5.0)
-    reply, worker = vllm_receive(sender, join, state, expected_of(linear, "linear"))
+    join = JoinWeightGroup("m", 1, "g-vllm-partial", weight_sender.store_address, 1, 2, 5.0)
+    reply, worker = vllm_receive(weight_sender, join, state, expected_of(linear, "linear"))
     assert "missing 1" in reply["error"] and worker.reloaded == []
 
     monkeypatch.setattr(sender_module, "Pipeline", Tampering)
-    join = JoinWeightGroup("m", 1, "g-vllm-tamper", sender.store_address, 1, 2, 10.0)
-    reply, worker = vllm_receive(sender, join, state, expected_of(state, "weight"))
+    join = JoinWeightGroup("m", 1, "g-vllm-tamper", weight_sender.store_address, 1, 2, 10.0)
+    reply, worker = vllm_receive(weight_sender, join, state, expected_of(state, "weight"))
     assert "digest" in reply["error"] and worker.reloaded == ["weight"]
 
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_vllm_worker_reports_its_fingerprint_without_hashing_what_the_receiver_did(
-    sender, monkeypatch, packed: bool
+    weight_sender, monkeypatch, packed: bool
 ) -> None:
     """The worker's fingerprint of a publish: read back from the model where it can, else
     (CPU-prepacked weights) the digest the receiver checked against rank 0's, never a
@@ -255,15 +250,15 @@ def test_a_vllm_worker_reports_its_fingerprint_without_hashing_what_the_receiver
 
     monkeypatch.setattr(worker_module, "Digest", Counting)
     state = [("weight", torch.arange(16.0).reshape(4, 4))]
-    join = JoinWeightGroup("m", 1, f"g-vllm-fp-{packed}", sender.store_address, 1, 2, 10.0)
-    reply, worker = vllm_receive(sender, join, state, expected_of(state, "weight"), packed)
+    join = JoinWeightGroup("m", 1, f"g-vllm-fp-{packed}", weight_sender.store_address, 1, 2, 10.0)
+    reply, worker = vllm_receive(weight_sender, join, state, expected_of(state, "weight"), packed)
     assert reply["error"] == "" and worker.reloaded == ["weight"]
     assert reply["digest"] == digest_of(state)
     assert reply["digest_source"] == ("received" if packed else "read back")
     assert hashed == []
 
 
-def test_sglang_and_vllm_engines_expect_the_folders_parameters(model_path) -> None:
+def test_sglang_and_vllm_engines_expect_the_folders_parameters(tiny_qwen_folder) -> None:
     """Neither holds the model in this process: both expect what the folder's architecture
     names (checked by the actor's receiver for SGLang, in vLLM's workers for vLLM)."""
     from drmas.actors.engines.sglang import SGLangEngine
@@ -271,10 +266,10 @@ def test_sglang_and_vllm_engines_expect_the_folders_parameters(model_path) -> No
     from drmas.actors.engines.vllm import VLLMEngine
     from drmas.config.actor import EngineConfig
 
-    header = Header(2**20, [spec_of(n, t) for n, t in learner_specs(model_path)])
+    header = Header(2**20, [spec_of(n, t) for n, t in learner_specs(tiny_qwen_folder)])
     join = JoinWeightGroup("policy", 1, "g", "h:1", 1, 2, 5.0)
-    sglang = SGLangEngine("policy", model_path, EngineConfig(), SGLangOptions(url="http://x"))
-    vllm = VLLMEngine("policy", model_path, EngineConfig(name="vllm"))
+    sglang = SGLangEngine("policy", tiny_qwen_folder, EngineConfig(), SGLangOptions(url="http://x"))
+    vllm = VLLMEngine("policy", tiny_qwen_folder, EngineConfig(name="vllm"))
     for engine in (sglang, vllm):
         expected = expected_for(engine, join)
         assert expected is not None
@@ -283,7 +278,7 @@ def test_sglang_and_vllm_engines_expect_the_folders_parameters(model_path) -> No
             check_covers(Header(2**20, header.tensors[1:]), expected, "g")
 
 
-def test_on_a_lora_base_a_publish_must_carry_whole_adapters_it_names(model_path) -> None:
+def test_on_a_lora_base_a_publish_must_carry_whole_adapters_it_names(tiny_qwen_folder) -> None:
     """The hf engine (its live adapters) and the folder-built expectation of sim, vLLM and
     SGLang agree; a join naming adapter "x" takes every parameter of "x" and nothing
     else; a join naming none (an older broker) takes whole adapters only."""
@@ -296,7 +291,7 @@ def test_on_a_lora_base_a_publish_must_carry_whole_adapters_it_names(model_path)
     lora = LoraConfig(rank=4, init_seed=3)
 
     async def main() -> None:
-        engine = HFEngine("policy", model_path, EngineConfig(device="cpu"), lora, ["x", "y"])
+        engine = HFEngine("policy", tiny_qwen_folder, EngineConfig(device="cpu"), lora, ["x", "y"])
         await engine.start()
         every = [spec_of(n, t) for n, t in engine._adapter_params.items()]
         await engine.close()
@@ -305,7 +300,7 @@ def test_on_a_lora_base_a_publish_must_carry_whole_adapters_it_names(model_path)
         assert of_x and of_y and len(of_x) == len(of_y)
         for expect in (
             lambda carried: engine.expected_weights(carried),
-            lambda carried: adapters_expected(model_path, lora, ["x", "y"], carried),
+            lambda carried: adapters_expected(tiny_qwen_folder, lora, ["x", "y"], carried),
         ):
             only_x = expect(["x"])
             check_covers(Header(2**20, of_x), only_x, "g")

@@ -9,35 +9,17 @@ hf engine on the tiny builtin model, driven by the real Actor.sync_weights."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
-import pytest
 import torch
 
 import drmas.transports.digest as digest_module
 from drmas.actors.engines import ReadsBack, make_engine
 from drmas.actors.main import Actor
 from drmas.config import load_config
-from drmas.config.model import LoraConfig, WarmStartConfig
-from drmas.config.transport import WeightSyncConfig
-from drmas.models.builtin import resolve_model_path
+from drmas.config.model import LoraConfig
 from drmas.protocol.messages import JoinWeightGroup, WeightsLoaded
 from drmas.transports.digest import Digest, digest_of
-from drmas.transports.weights import WeightSender
 from tests.unit.test_weight_proof_engines import run_join
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cache = tmp_path_factory.mktemp("cache")
-    return resolve_model_path("builtin:tiny-qwen2", str(cache), WarmStartConfig(steps=0))
-
-
-@pytest.fixture
-def sender():
-    s = WeightSender(WeightSyncConfig(host="127.0.0.1", timeout_s=10.0))
-    yield s
-    s.close()
 
 
 def new_weights(engine) -> list[tuple[str, torch.Tensor]]:
@@ -47,19 +29,19 @@ def new_weights(engine) -> list[tuple[str, torch.Tensor]]:
 
 
 def test_the_actor_reports_the_read_back_fingerprint_without_hashing_the_model_again(
-    model_path, sender
+    tiny_qwen_folder, weight_sender
 ) -> None:
     cfg = load_config([])
     actor = Actor(cfg, "a1")
-    engine = make_engine("solver", str(model_path), cfg.actor.engine_of("solver"))
+    engine = make_engine("solver", str(tiny_qwen_folder), cfg.actor.engine_of("solver"))
     asyncio.run(engine.start())
     assert isinstance(engine, ReadsBack) and engine.loaded_view() is not None
     second_passes: list[int] = []
     original = engine.weights_digest
     engine.weights_digest = lambda: (second_passes.append(1), original())[1]  # type: ignore[method-assign]
     state = new_weights(engine)
-    join = JoinWeightGroup("solver", 1, "g-rb", sender.store_address, 1, 2, 10.0, "tok")
-    sent = run_join(actor, sender, join, state, engine)
+    join = JoinWeightGroup("solver", 1, "g-rb", weight_sender.store_address, 1, 2, 10.0, "tok")
+    sent = run_join(actor, weight_sender, join, state, engine)
     loaded = [m for m in sent if isinstance(m, WeightsLoaded)]
     assert len(loaded) == 1 and loaded[0].ok, loaded
     assert second_passes == []  # the fingerprint came from the receive
@@ -67,13 +49,15 @@ def test_the_actor_reports_the_read_back_fingerprint_without_hashing_the_model_a
     asyncio.run(engine.close())
 
 
-def test_a_load_that_silently_skips_a_tensor_is_caught_and_rolled_back(model_path, sender) -> None:
+def test_a_load_that_silently_skips_a_tensor_is_caught_and_rolled_back(
+    tiny_qwen_folder, weight_sender
+) -> None:
     """An engine bug the bucket's own hash cannot see: load_weights drops one tensor.
     Hashing what the engine holds after the load fails the digest check: the publish is
     refused and the previous weights serve again."""
     cfg = load_config([])
     actor = Actor(cfg, "a1")
-    engine = make_engine("solver", str(model_path), cfg.actor.engine_of("solver"))
+    engine = make_engine("solver", str(tiny_qwen_folder), cfg.actor.engine_of("solver"))
     asyncio.run(engine.start())
     before = engine.weights_digest()
     state = new_weights(engine)
@@ -84,8 +68,8 @@ def test_a_load_that_silently_skips_a_tensor_is_caught_and_rolled_back(model_pat
         original([(n, t) for n, t in tensors if n != dropped], version)
 
     engine.load_weights = lossy  # type: ignore[method-assign]
-    join = JoinWeightGroup("solver", 1, "g-lossy", sender.store_address, 1, 2, 10.0, "tok")
-    sent = run_join(actor, sender, join, state, engine)
+    join = JoinWeightGroup("solver", 1, "g-lossy", weight_sender.store_address, 1, 2, 10.0, "tok")
+    sent = run_join(actor, weight_sender, join, state, engine)
     loaded = [m for m in sent if isinstance(m, WeightsLoaded)]
     assert len(loaded) == 1 and not loaded[0].ok
     assert "did not take them" in loaded[0].error and "restored" in loaded[0].error
@@ -93,12 +77,12 @@ def test_a_load_that_silently_skips_a_tensor_is_caught_and_rolled_back(model_pat
     asyncio.run(engine.close())
 
 
-def test_a_lora_base_offers_no_read_back(model_path) -> None:
+def test_a_lora_base_offers_no_read_back(tiny_qwen_folder) -> None:
     """Its fingerprint covers every adapter; a publish may carry some."""
     cfg = load_config([])
     engine = make_engine(
         "solver",
-        str(model_path),
+        str(tiny_qwen_folder),
         cfg.actor.engine_of("solver"),
         LoraConfig(rank=4),
         ["solver", "verifier"],
