@@ -40,7 +40,6 @@ exists: commit the files as they finish.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -51,8 +50,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # benchmarks.* when run as a script
 
-from benchmarks.studies.study_advantage_modes import Group, git_state, run_one  # noqa: E402
-from benchmarks.studies.study_lemma import SHARED, finals, paired, runs_left  # noqa: E402
+from benchmarks.studies.study_advantage_modes import Group, git_state  # noqa: E402
+from benchmarks.studies.study_lemma import SHARED, finals, paired, study_main  # noqa: E402
 from benchmarks.studies.study_stats import holm, mean_ci, paired_p, significant  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "study" / "dose"
@@ -239,44 +238,15 @@ def markdown(s: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="*", choices=[g.name for g in PLAN], help="scales to run")
-    p.add_argument("--seeds", nargs="*", type=int, help="seeds to run (default: all)")
-    p.add_argument("--modes", nargs="*", help="arms to run (default: all)")
-    p.add_argument("--dry-run", action="store_true", help="print the runs left, in order")
-    p.add_argument("--summarize", action="store_true", help="only rewrite the summary")
-    p.add_argument("--out", default=str(OUT), help="results folder")
-    args = p.parse_args()
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    if args.summarize:
-        summarize(out)
-        print((out / "summary.md").read_text())
-        return 0
-    groups = [g for g in PLAN if not args.only or g.name in args.only]
-    try:
-        todo = runs_left(out, groups, args.seeds, args.modes)
-    except ValueError as e:
-        p.error(str(e))
-    if args.dry_run:
-        for name, *_ in todo:
-            print(name)
-        print(f"{len(todo)} runs, about {len(todo) * 3.5 / 60:.1f} h on 2 cores")
-        return 0
-    if not (out / "probe").is_dir():
-        p.error(f"no predictions in {out / 'probe'}: run probe_teams.py first (see --help)")
-    state = git_state(REPO)
-    if state["dirty"]:
-        print(f"{REPO} has changes ({', '.join(state['dirty_paths'][:5])}): run from a clean "
-              "worktree (git worktree add /tmp/dose-tree HEAD; python /tmp/dose-tree/benchmarks/"
-              "studies/study_dose.py --out <this repo>/benchmarks/results/study/dose)",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    ok = True
-    for run in todo:
-        ok = run_one(out, *run) and ok
-        summarize(out)
-    return 0 if ok else 1
+    def missing(out: Path) -> str:
+        if (out / "probe").is_dir():
+            return ""
+        return f"no predictions in {out / 'probe'}: run probe_teams.py first (see --help)"
+
+    return study_main(
+        __doc__ or "", PLAN, OUT, summarize, "benchmarks/studies/study_dose.py",
+        minutes=lambda _group, _mode: 3.5, missing=missing,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

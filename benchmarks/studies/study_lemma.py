@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -303,9 +304,22 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="*", help="groups to run (default: all)")
+def study_main(
+    doc: str,
+    plan: tuple[Group, ...],
+    out_default: Path,
+    summarize: Callable[[Path], Any],
+    script: str,
+    minutes: Callable[[Group, str], float] = run_minutes,
+    missing: Callable[[Path], str] = lambda _out: "",
+) -> int:
+    """The command line of a seed-by-seed study (this one, study_dose.py): --dry-run,
+    --summarize, or the runs left, one after another, each recorded as it ends. `missing`:
+    what must exist before any run (a message), "" when nothing is missing."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument(
+        "--only", nargs="*", choices=[g.name for g in plan], help="groups to run (default: all)"
+    )
     p.add_argument("--seeds", nargs="*", type=int, help="seeds to run (default: all)")
     p.add_argument("--modes", nargs="*",
                    help="arms to run (default: all); two invocations with different arms "
@@ -313,7 +327,7 @@ def main() -> int:
     p.add_argument("--dry-run", action="store_true", help="print the runs left, in order")
     p.add_argument("--summarize", action="store_true", help="only rewrite the summary")
     p.add_argument("--allow-dirty", action="store_true", help="run on a tree with changes")
-    p.add_argument("--out", default=str(OUT), help="results folder")
+    p.add_argument("--out", default=str(out_default), help="results folder")
     args = p.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -321,29 +335,35 @@ def main() -> int:
         summarize(out)
         print((out / "summary.md").read_text())
         return 0
-    groups = [g for g in PLAN if not args.only or g.name in args.only]
+    groups = [g for g in plan if not args.only or g.name in args.only]
     try:
         todo = runs_left(out, groups, args.seeds, args.modes)
     except ValueError as e:
         p.error(str(e))
     if args.dry_run:
-        minutes = [run_minutes(group, mode) for _, group, mode, _ in todo]
-        for (name, *_), m in zip(todo, minutes, strict=True):
+        each = [minutes(group, mode) for _, group, mode, _ in todo]
+        for (name, *_), m in zip(todo, each, strict=True):
             print(f"{name}  (about {m:.0f} min with its models cached)")
-        print(f"{len(todo)} runs, about {sum(minutes) / 60:.1f} h")
+        print(f"{len(todo)} runs, about {sum(each) / 60:.1f} h")
         return 0
+    if why := missing(out):
+        p.error(why)
     state = git_state(REPO)
     if state["dirty"] and not args.allow_dirty:
+        tree = f"/tmp/{Path(script).stem}-tree"
         print(f"{REPO} has changes ({', '.join(state['dirty_paths'][:5])}): the runs would not "
-              "match a commit. Commit them, or run from a clean worktree "
-              "(git worktree add /tmp/lemma-tree HEAD; python /tmp/lemma-tree/benchmarks/studies/"
-              "study_lemma.py --out benchmarks/results/study/lemma)", file=sys.stderr)  # fmt: skip
+              f"match a commit. Commit them, or run from a clean worktree (git worktree add "
+              f"{tree} HEAD; python {tree}/{script} --out {out})", file=sys.stderr)  # fmt: skip
         return 2
     ok = True
     for run in todo:
         ok = run_one(out, *run) and ok
         summarize(out)
     return 0 if ok else 1
+
+
+def main() -> int:
+    return study_main(__doc__ or "", PLAN, OUT, summarize, "benchmarks/studies/study_lemma.py")
 
 
 if __name__ == "__main__":

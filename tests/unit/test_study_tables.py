@@ -237,6 +237,31 @@ def test_the_lemma_runner_restricts_to_the_arms_asked_for_and_names_a_wrong_one(
         study_lemma.runs_left(tmp_path, smol, None, ["global"])
 
 
+def test_both_studies_share_one_command_line_and_the_dose_study_wants_its_probe_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """study_lemma.py and study_dose.py parse the same options (study_main): a dry run
+    lists the runs left with their minutes; the dose study refuses to run without the
+    probe's predictions in <out>/probe, before it looks at the tree."""
+    from benchmarks.studies import study_dose, study_lemma
+
+    argv = ["study_lemma.py", "--dry-run", "--only", "lemma_smol_half", "--seeds", "0",
+            "--out", str(tmp_path / "lemma")]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    assert study_lemma.main() == 0
+    out = capsys.readouterr().out
+    assert "lemma_smol_half_agent_s0  (about 80 min" in out and "2 runs, about 2.3 h" in out
+    monkeypatch.setattr("sys.argv", ["study_dose.py", "--dry-run", "--out", str(tmp_path / "dose")])
+    assert study_dose.main() == 0
+    assert "(about 4 min with its models cached)" in capsys.readouterr().out
+    monkeypatch.setattr(
+        "sys.argv", ["study_dose.py", "--seeds", "0", "--out", str(tmp_path / "dose")]
+    )
+    with pytest.raises(SystemExit):
+        study_dose.main()
+    assert "run probe_teams.py first" in capsys.readouterr().err
+
+
 def test_provenance_counts_untracked_code_and_answers_outside_git(tmp_path: Path) -> None:
     """Every benchmark records provenance.git_state(): a new untracked source file makes the
     tree dirty (it may be the code that ran), a folder that is no checkout gives None
