@@ -238,7 +238,7 @@ def markdown(s: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    def missing(out: Path) -> str:
+    def missing(out: Path, _groups: list[Group]) -> str:
         if (out / "probe").is_dir():
             return ""
         return f"no predictions in {out / 'probe'}: run probe_teams.py first (see --help)"

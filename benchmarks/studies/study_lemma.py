@@ -311,11 +311,11 @@ def study_main(
     summarize: Callable[[Path], Any],
     script: str,
     minutes: Callable[[Group, str], float] = run_minutes,
-    missing: Callable[[Path], str] = lambda _out: "",
+    missing: Callable[[Path, list[Group]], str] = lambda _out, _groups: "",
 ) -> int:
     """The command line of a seed-by-seed study (this one, study_dose.py): --dry-run,
     --summarize, or the runs left, one after another, each recorded as it ends. `missing`:
-    what must exist before any run (a message), "" when nothing is missing."""
+    what must exist before any run of these groups (a message), "" when nothing is."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument(
         "--only", nargs="*", choices=[g.name for g in plan], help="groups to run (default: all)"
@@ -346,7 +346,7 @@ def study_main(
             print(f"{name}  (about {m:.0f} min with its models cached)")
         print(f"{len(todo)} runs, about {sum(each) / 60:.1f} h")
         return 0
-    if why := missing(out):
+    if why := missing(out, [g for g in groups if any(r[1].name == g.name for r in todo)]):
         p.error(why)
     state = git_state(REPO)
     if state["dirty"] and not args.allow_dirty:
@@ -362,8 +362,26 @@ def study_main(
     return 0 if ok else 1
 
 
+PROBED_FIRST = {"lemma_smol_half": "smol_half_role_scaled"}
+"""Groups whose probe (probe_teams.py's case) is recorded in benchmarks/results/probe/
+before any of their runs: the prediction is written down before training."""
+
+
+def probe_missing(out: Path, groups: list[Group], probe_dir: Path = PROBE) -> str:
+    """study_main's check: the groups to run whose probe is not recorded yet."""
+    cases = [PROBED_FIRST[g.name] for g in groups if g.name in PROBED_FIRST]
+    absent = [c for c in cases if not (probe_dir / f"{c}.json").is_file()]
+    if not absent:
+        return ""
+    return (f"no prediction in {probe_dir} for {', '.join(absent)}: run "
+            f"benchmarks/studies/probe_teams.py --only {' '.join(absent)} first")  # fmt: skip
+
+
 def main() -> int:
-    return study_main(__doc__ or "", PLAN, OUT, summarize, "benchmarks/studies/study_lemma.py")
+    return study_main(
+        __doc__ or "", PLAN, OUT, summarize, "benchmarks/studies/study_lemma.py",
+        missing=probe_missing,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

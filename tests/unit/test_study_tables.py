@@ -262,6 +262,20 @@ def test_both_studies_share_one_command_line_and_the_dose_study_wants_its_probe_
     assert "run probe_teams.py first" in capsys.readouterr().err
 
 
+def test_the_smol_half_runs_wait_for_their_probe(tmp_path: Path) -> None:
+    """lemma_smol_half's runs are refused until its probe is recorded (the prediction is
+    written down before training); the other groups need none."""
+    from benchmarks.studies import study_lemma
+
+    plan = {g.name: g for g in study_lemma.PLAN}
+    half, smol = plan["lemma_smol_half"], plan["lemma_smol"]
+    assert study_lemma.probe_missing(tmp_path, [smol], tmp_path) == ""
+    why = study_lemma.probe_missing(tmp_path, [smol, half], tmp_path)
+    assert "probe_teams.py --only smol_half_role_scaled first" in why
+    (tmp_path / "smol_half_role_scaled.json").write_text("{}")
+    assert study_lemma.probe_missing(tmp_path, [half], tmp_path) == ""
+
+
 def test_provenance_counts_untracked_code_and_answers_outside_git(tmp_path: Path) -> None:
     """Every benchmark records provenance.git_state(): a new untracked source file makes the
     tree dirty (it may be the code that ran), a folder that is no checkout gives None
