@@ -63,6 +63,9 @@ CASES: dict[str, tuple[str, ...]] = {
     ),
 }  # fmt: skip
 """Case -> the overrides of its `drmas probe` (64 groups, seed 0 unless they say)."""
+HOURS = {"smol_half_role_scaled": 4.0}
+"""A case's time limit where one hour is not enough: the SmolLM2 probe ran past an hour
+on 2 loaded cores (sampling 256 episodes, then one backward pass per step)."""
 
 
 def probe(case: str, out: Path) -> None:
@@ -74,7 +77,7 @@ def probe(case: str, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"probe-{case}-") as tmp:
         args = [*CASES[case], f"run.dir={tmp}/run"]
-        wall = run_drmas("probe", args, f"{case}: drmas probe")
+        wall = run_drmas("probe", args, f"{case}: drmas probe", 3600 * HOURS.get(case, 1.0))
         result = json.loads((Path(tmp) / "run" / "probe.json").read_text())
         png = Path(tmp) / "run" / "probe.png"
         if png.is_file():

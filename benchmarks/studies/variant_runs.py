@@ -30,12 +30,20 @@ def relative(path: object) -> str:
     return str(path).replace(f"{REPO.resolve()}/", "")
 
 
-def run_drmas(command: str, args: list[str], what: str) -> float:
-    """`drmas <command> <args>` of this tree; its wall seconds, or exit naming `what`."""
+def run_drmas(command: str, args: list[str], what: str, timeout_s: float = 3600) -> float:
+    """`drmas <command> <args>` of this tree; its wall seconds, or exit naming `what`
+    (also when it runs past `timeout_s`)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "drmas.launch.cli", command, *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=3600)  # fmt: skip
+    try:
+        done = subprocess.run([sys.executable, "-m", "drmas.launch.cli", command, *args], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-3000:]
+        text = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        raise SystemExit(
+            f"{what} ran past its {timeout_s / 60:.0f} minutes and was stopped:\n{text}"
+        ) from e
     if done.returncode != 0:
         raise SystemExit(f"{what} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return time.monotonic() - start
